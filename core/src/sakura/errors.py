@@ -1,0 +1,50 @@
+"""Exceptions raised by sakura.  Each message says what was wrong and what is accepted."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+__all__ = [
+    "ConfigError",
+    "InvalidServiceError",
+    "PluginConflictError",
+    "SakuraError",
+    "SpecError",
+    "UnknownNameError",
+    "nearest",
+]
+
+
+class SakuraError(Exception):
+    """Base class of sakura's own errors."""
+
+
+class InvalidServiceError(SakuraError, TypeError):
+    """A service does not follow the service protocol (name, priority, hook names)."""
+
+
+class SpecError(SakuraError, ValueError):
+    """A spec string (``name``, ``name:arg``, ``name:key=value,...``) is malformed or the
+    service/dispatcher it names rejects its arguments."""
+
+
+class ConfigError(SakuraError, ValueError):
+    """A configuration file or environment variable holds an invalid value."""
+
+
+class UnknownNameError(SakuraError, LookupError):
+    """No installed plugin provides the requested service, dispatcher or adapter."""
+
+    def __str__(self) -> str:  # LookupError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class PluginConflictError(SakuraError, RuntimeError):
+    """Two plugins claim the same name."""
+
+
+def nearest(name: str, candidates: Iterable[str]) -> str | None:
+    """The candidate closest to ``name``, if any is reasonably close."""
+    matches = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return matches[0] if matches else None

@@ -1,0 +1,285 @@
+"""Every development task of the Sakura monorepo.
+
+Sessions (``nox -l`` lists them; ``nox`` alone runs ``lint`` and ``tests``):
+
+- ``lint``        ruff (lint and format check) over the workspace, ``mypy --strict`` on ``sakura``.
+- ``tests``       one virtualenv with torch pinned and every workspace distribution installed
+                  editable (``core/`` first, then each ``packages/*/``); one pytest run over
+                  ``core/tests`` and every ``packages/*/tests``.
+- ``build``       sdist and wheel of every distribution into ``dist/`` (cleaned first).
+- ``integration`` builds everything (plus ``tests-integration/*/`` projects), installs the
+                  wheels into a fresh ``python -m venv`` as a user would, and runs
+                  ``tests-integration/`` with that environment's pytest, away from the sources.
+- ``demo``        the main job: ``benchmarks/demo_core.py`` in a ``tests``-like environment.
+- ``bench``       every other ``benchmarks/*.py`` in a ``tests``-like environment.
+
+Arguments after ``--`` are forwarded: to pytest (``tests``, ``integration``) or to the
+scripts (``demo``, ``bench``).
+
+torch is always pinned to the build that is on the machines (``TORCH_PIN``), through a
+constraints file given to every pip call, so no resolver ever picks an unpinned torch.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import nox
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - nox itself depends on tomli before 3.11
+    import tomli as tomllib
+
+nox.options.sessions = ["lint", "tests"]
+nox.options.default_venv_backend = "venv"
+
+ROOT = Path(__file__).resolve().parent
+CORE = ROOT / "core"
+PACKAGES = ROOT / "packages"
+BENCHMARKS = ROOT / "benchmarks"
+INTEGRATION = ROOT / "tests-integration"
+DIST = ROOT / "dist"
+INTEGRATION_ENV = ROOT / ".nox" / "integration-env"
+
+TORCH_PIN = "torch==2.13.0"
+TEST_REQUIREMENTS = ["pytest>=7", "lightning", "transformers"]
+DEMO_SCRIPT = BENCHMARKS / "demo_core.py"
+LINT_PATHS = ["core", "packages", "benchmarks", "tests-integration", "noxfile.py"]
+
+
+# --- Workspace discovery ----------------------------------------------------------------
+
+
+def workspace_projects() -> list[Path]:
+    """The workspace distributions: ``core/`` first, then every ``packages/*/`` that has a
+    ``pyproject.toml``, in name order."""
+    return [CORE, *sorted(p.parent for p in PACKAGES.glob("*/pyproject.toml"))]
+
+
+def integration_projects() -> list[Path]:
+    """Helper distributions that only the integration tests use (an example third-party
+    plugin, for instance): every ``tests-integration/*/`` that has a ``pyproject.toml``."""
+    return sorted(p.parent for p in INTEGRATION.glob("*/pyproject.toml"))
+
+
+def has_test_extra(project: Path) -> bool:
+    """Whether the project's pyproject declares a ``test`` optional-dependency group."""
+    with (project / "pyproject.toml").open("rb") as f:
+        data = tomllib.load(f)
+    return "test" in data.get("project", {}).get("optional-dependencies", {})
+
+
+def editable(project: Path) -> list[str]:
+    """pip arguments installing ``project`` editable, with its ``test`` extra if it has one."""
+    target = f"{project}[test]" if has_test_extra(project) else str(project)
+    return ["-e", target]
+
+
+def torch_constraints(session: nox.Session) -> str:
+    """Write a pip constraints file that pins torch, and return its path."""
+    path = Path(session.create_tmp()).resolve() / "constraints.txt"
+    path.write_text(f"{TORCH_PIN}\n")
+    return str(path)
+
+
+# --- Shared steps -----------------------------------------------------------------------
+
+
+def install_workspace(session: nox.Session) -> None:
+    """Install pinned torch, then every workspace distribution editable (core first, with
+    ``[test]`` where a package declares that extra), then the test requirements."""
+    constraints = torch_constraints(session)
+    session.install("-c", constraints, TORCH_PIN)
+    session.install("-c", constraints, *editable(CORE))
+    # All packages in one pip call, so a package that depends on another workspace package
+    # gets the local one and never a same-named distribution from an index.
+    package_args = [arg for project in workspace_projects()[1:] for arg in editable(project)]
+    session.install("-c", constraints, *package_args, *TEST_REQUIREMENTS)
+
+
+def build_distributions(session: nox.Session, projects: list[Path]) -> list[Path]:
+    """Build an sdist and a wheel of each project into a freshly cleaned ``dist/``; return
+    the wheels."""
+    session.install("build")
+    shutil.rmtree(DIST, ignore_errors=True)
+    DIST.mkdir()
+    for project in projects:
+        session.run("python", "-m", "build", "--outdir", str(DIST), str(project))
+    wheels = sorted(DIST.glob("*.whl"))
+    if len(wheels) != len(projects):
+        session.error(f"expected {len(projects)} wheels in {DIST}, found {len(wheels)}")
+    return wheels
+
+
+def wheel_name_version(wheel: Path) -> tuple[str, str]:
+    """``sakura_core-0.1.0-py3-none-any.whl`` -> ``("sakura-core", "0.1.0")``."""
+    name, version = wheel.name.split("-")[:2]
+    return name.replace("_", "-").lower(), version
+
+
+def wheel_extras(wheel: Path) -> set[str]:
+    """The extras a wheel declares (``Provides-Extra`` in its METADATA)."""
+    with zipfile.ZipFile(wheel) as zf:
+        metadata = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+        lines = zf.read(metadata).decode("utf-8").splitlines()
+    return {line.split(":", 1)[1].strip() for line in lines if line.startswith("Provides-Extra:")}
+
+
+def run_outside_session(
+    session: nox.Session, args: list[str], env: dict[str, str], *, label: str | None = None
+) -> None:
+    """Run a command with exactly ``env`` (nox would put its own virtualenv first on PATH);
+    fail the session if it fails."""
+    session.log(label or " ".join(args))
+    result = subprocess.run(args, env=env, cwd=INTEGRATION, check=False)
+    if result.returncode != 0:
+        session.error(f"{args[0]} exited with {result.returncode}")
+
+
+def fresh_venv_env(venv_dir: Path) -> tuple[Path, dict[str, str]]:
+    """The python of ``venv_dir`` and an environment that uses it as an activated venv
+    would: its bin first on PATH, and no PYTHONPATH that could reach the source tree."""
+    bin_dir = venv_dir / ("Scripts" if os.name == "nt" else "bin")
+    env = {k: v for k, v in os.environ.items() if k not in {"PYTHONPATH", "PYTHONHOME"}}
+    env["VIRTUAL_ENV"] = str(venv_dir)
+    env["PATH"] = os.pathsep.join([str(bin_dir), env.get("PATH", "")])
+    env["PYTHONNOUSERSITE"] = "1"
+    return bin_dir / "python", env
+
+
+# --- Sessions ---------------------------------------------------------------------------
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check, ruff format --check, and mypy --strict on the sakura package."""
+    # mypy needs the packages sakura imports (and tomli: mypy checks for Python 3.10).
+    session.install("ruff", "mypy", "pluggy", "pytest", "tomli")
+    session.run("ruff", "check", ".")
+    paths = [p for p in LINT_PATHS if (ROOT / p).exists()]
+    session.run("ruff", "format", "--check", *paths)
+    session.run("mypy", "--strict", "core/src/sakura")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """All unit tests of all workspace distributions, in one pytest run."""
+    install_workspace(session)
+    test_dirs = [str(p / "tests") for p in workspace_projects() if (p / "tests").is_dir()]
+    if not test_dirs:
+        session.error("no tests/ directory in core/ or packages/*/")
+    session.run(
+        "pytest",
+        "-c",
+        str(ROOT / "pyproject.toml"),
+        "--import-mode=importlib",
+        *test_dirs,
+        *session.posargs,
+    )
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Build every workspace distribution (sdist and wheel) into dist/."""
+    wheels = build_distributions(session, workspace_projects())
+    session.log("built: " + ", ".join(w.name for w in wheels))
+
+
+@nox.session
+def integration(session: nox.Session) -> None:
+    """Run tests-integration/ against the built wheels, installed into a fresh venv.
+
+    As a user would: the venv is made with ``python -m venv``, not by nox, and pytest runs
+    there with the venv first on PATH and no path into the source tree."""
+    if not INTEGRATION.is_dir():
+        session.error(f"{INTEGRATION.relative_to(ROOT)}/ does not exist")
+    wheels = build_distributions(session, workspace_projects() + integration_projects())
+
+    shutil.rmtree(INTEGRATION_ENV, ignore_errors=True)
+    session.run("python", "-m", "venv", str(INTEGRATION_ENV))
+    python, env = fresh_venv_env(INTEGRATION_ENV)
+    constraints = torch_constraints(session)
+
+    # Each wheel by path (with its test extra when it has one): a name alone could resolve
+    # to an unrelated distribution of the same name on an index. --find-links lets wheels
+    # that depend on each other find the local builds.
+    requirements = []
+    for wheel in wheels:
+        requirements.append(f"{wheel}[test]" if "test" in wheel_extras(wheel) else str(wheel))
+    run_outside_session(
+        session,
+        [
+            str(python),
+            "-m",
+            "pip",
+            "install",
+            "--find-links",
+            str(DIST),
+            "-c",
+            constraints,
+            TORCH_PIN,
+            "pytest>=7",
+            *requirements,
+        ],
+        env,
+    )
+
+    # Prove that what runs is the installed build, not the source tree.
+    expected = dict(wheel_name_version(w) for w in wheels)
+    check = (
+        "import importlib.metadata as md, pathlib, sys, sakura\n"
+        f"expected = {expected!r}\n"
+        "wrong = {n: md.version(n) for n, v in expected.items() if md.version(n) != v}\n"
+        "src = pathlib.Path(sakura.__file__).resolve()\n"
+        f"if pathlib.Path({str(CORE / 'src')!r}) in src.parents or wrong:\n"
+        "    sys.exit(f'not the built wheels: sakura at {src}, wrong versions {wrong}')\n"
+        "print(f'sakura imported from {src}')\n"
+    )
+    run_outside_session(
+        session, [str(python), "-c", check], env, label="check: the installed wheels are what runs"
+    )
+
+    run_outside_session(
+        session,
+        [
+            str(python),
+            "-m",
+            "pytest",
+            "--rootdir",
+            str(INTEGRATION),
+            "-p",
+            "no:cacheprovider",
+            "--import-mode=importlib",
+            str(INTEGRATION),
+            *session.posargs,
+        ],
+        env,
+    )
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: run benchmarks/demo_core.py."""
+    if not DEMO_SCRIPT.is_file():
+        session.error(f"{DEMO_SCRIPT.relative_to(ROOT)} does not exist yet")
+    install_workspace(session)
+    session.run("python", str(DEMO_SCRIPT), *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Run every benchmarks/*.py except demo_core.py and _private helpers."""
+    scripts = sorted(
+        p for p in BENCHMARKS.glob("*.py") if p != DEMO_SCRIPT and not p.name.startswith("_")
+    )
+    if not scripts:
+        session.error("no benchmarks/*.py to run (besides demo_core.py)")
+    install_workspace(session)
+    for script in scripts:
+        session.run("python", str(script), *session.posargs)
