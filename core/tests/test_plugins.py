@@ -271,3 +271,55 @@ def test_plugin_discovery_is_lazy() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "lazy-ok"
+
+
+def test_lazy_targets_are_imported_on_first_use_only(
+    make_distribution: Callable[..., Path],
+) -> None:
+    site = make_distribution(
+        "sakura-lazy",
+        "sakura_lazy_plugin",
+        """
+from sakura import hookimpl
+
+@hookimpl
+def sakura_register_services(register):
+    register("heavy", "sakura_lazy_heavy:HeavyService", description="imports a big framework")
+    register("missing", "sakura_lazy_nowhere:Ghost")
+""",
+    )
+    (site / "sakura_lazy_heavy.py").write_text(
+        "class HeavyService:\n    name = 'heavy'\n    def __init__(self, size=1):\n        self.size = size\n"
+    )
+    manager = get_plugin_manager()
+    provided = manager.resolve("service", "heavy")
+    assert (
+        provided.export_name == "HeavyService" and provided.description == "imports a big framework"
+    )
+    assert "sakura_lazy_heavy" not in sys.modules  # listing did not import it
+    assert manager.create("service", "heavy:size=3").size == 3
+    from sakura.services import HeavyService  # type: ignore[attr-defined]
+
+    assert HeavyService.__module__ == "sakura_lazy_heavy"
+    with pytest.raises(
+        ImportError,
+        match=r"'missing' from sakura-lazy could not be imported \(sakura_lazy_nowhere:Ghost\)",
+    ):
+        manager.create("service", "missing")
+    sys.modules.pop("sakura_lazy_heavy", None)
+
+
+def test_invalid_registrations_are_reported(make_distribution: Callable[..., Path]) -> None:
+    make_distribution(
+        "sakura-badreg",
+        "sakura_badreg_plugin",
+        """
+from sakura import hookimpl
+
+@hookimpl
+def sakura_register_services(register):
+    register("bad", "not a target")
+""",
+    )
+    with pytest.warns(RuntimeWarning, match="must be callable or a 'module.path:Name' string"):
+        assert "bad" not in get_plugin_manager().registry("service")

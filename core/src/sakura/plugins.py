@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import re
 import threading
 import traceback
 import warnings
@@ -92,9 +93,16 @@ KNOWN_PROVIDERS: dict[str, str] = {
 """Names provided by first-party packages, so a missing one says what to install."""
 
 
+_LAZY_TARGET = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*\Z")
+
+
 @dataclass(frozen=True)
 class Provided:
-    """One named thing a plugin offers."""
+    """One named thing a plugin offers.
+
+    ``target`` is a class or factory, or a lazy ``"module.path:Name"`` string that is
+    imported on first use, so listing plugins never imports heavy frameworks.
+    """
 
     kind: str
     name: str
@@ -106,32 +114,49 @@ class Provided:
 
     @property
     def export_name(self) -> str | None:
-        """The facade attribute name (the class's ``__name__``), if the target is a class."""
+        """The facade attribute name: the class's ``__name__`` (or a lazy target's name)."""
+        if isinstance(self.target, str):
+            return self.target.rpartition(":")[2]
         return self.target.__name__ if isinstance(self.target, type) else None
+
+    def load(self) -> Any:
+        """The target itself, importing a lazy ``"module:Name"`` target."""
+        if not isinstance(self.target, str):
+            return self.target
+        module_name, _, attribute = self.target.partition(":")
+        try:
+            return getattr(importlib.import_module(module_name), attribute)
+        except (ImportError, AttributeError) as exc:
+            where = self.distribution or self.plugin
+            raise ImportError(
+                f"the {self.kind} {self.name!r} from {where} could not be imported "
+                f"({self.target}): {exc}"
+            ) from exc
 
     def create(self, spec: Spec) -> Any:
         """Build the object a spec describes."""
+        target = self.load()
         try:
             if self.parse is not None:
                 return self.parse(spec)
-            return self.target(*spec.args, **spec.kwargs)
+            return target(*spec.args, **spec.kwargs)
         except SpecError:
             raise
         except (TypeError, ValueError) as exc:
             raise SpecError(
                 f"{self.kind} spec {str(spec)!r} was rejected by {self.describe()}: {exc}"
-                f"{self._accepted()}"
+                f"{self._accepted(target)}"
             ) from exc
 
     def describe(self) -> str:
         where = self.distribution or self.plugin
         return f"{self.name!r} (from {where})"
 
-    def _accepted(self) -> str:
+    def _accepted(self, target: Any) -> str:
         if self.parse is not None:
             return ""
         try:
-            signature = inspect.signature(self.target)
+            signature = inspect.signature(target)
         except (TypeError, ValueError):
             return ""
         return f"; accepted arguments: {self.name}{signature}"
@@ -327,9 +352,12 @@ class PluginManager:
                         raise ValueError(
                             f"plugin {_plugin!r} registered a {_kind} with invalid name {name!r}"
                         )
-                    if not callable(target):
+                    if not callable(target) and not (
+                        isinstance(target, str) and _LAZY_TARGET.match(target)
+                    ):
                         raise TypeError(
-                            f"plugin {_plugin!r}: {_kind} {name!r} target must be callable"
+                            f"plugin {_plugin!r}: {_kind} {name!r} target must be callable or a "
+                            f"'module.path:Name' string, got {target!r}"
                         )
                     new = Provided(
                         _kind, name, target, parse, description or _doc(target), _plugin, _dist
@@ -398,7 +426,7 @@ class PluginManager:
         """The class a facade exports as ``attribute`` (``MixedPrecision``)."""
         for provided in self.registry(kind).values():
             if provided.export_name == attribute:
-                return provided.target
+                return provided.load()
         raise UnknownNameError(attribute)
 
     def exports(self, kind: str) -> dict[str, Provided]:
@@ -413,6 +441,8 @@ class PluginManager:
 
 
 def _doc(target: Any) -> str:
+    if isinstance(target, str):
+        return ""
     doc = inspect.getdoc(target) or ""
     return doc.strip().splitlines()[0] if doc.strip() else ""
 
