@@ -246,3 +246,14 @@ def test_load_state_dict_strictness() -> None:
     rt.load_state_dict({"ghost": {}}, strict=False)
     with pytest.raises(TypeError, match="state must be a mapping"):
         rt.load_state_dict([("scaler", {})])  # type: ignore[arg-type]
+
+
+def test_wrap_model_wrap_optimizer_and_implements() -> None:
+    journal: list[str] = []
+    rt = SakuraRuntime([Tag("a", 1, journal), Scaler()])
+    assert rt.wrap_model("m") == ("wrapped", "a", "m")
+    assert rt.wrap_optimizer("o") == ("wrapped", "a", "o")
+    assert journal == ["model:a", "optimizer:a"]
+    assert rt.implements("optimizer_step") == ("scaler",)
+    assert rt.implements("wrap_loss") == ("a", "scaler")
+    assert rt.implements("setup") == ()

@@ -323,3 +323,22 @@ def sakura_register_services(register):
     )
     with pytest.warns(RuntimeWarning, match="must be callable or a 'module.path:Name' string"):
         assert "bad" not in get_plugin_manager().registry("service")
+
+
+def test_plugin_names_are_normalised_like_distribution_names(
+    make_distribution: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    make_distribution("sakura-greeter", "sakura_greeter_plugin", GOOD)
+    monkeypatch.setenv("SAKURA_DISABLED_PLUGINS", "Sakura_Greeter")
+    assert "greeter" not in get_plugin_manager().registry("service")
+    # enabled under one name, disabled under another: disabled wins, no bogus import error
+    only = get_plugin_manager(plugins=["sakura.greeter"], disabled=["SAKURA-GREETER"])
+    assert "greeter" not in only.registry("service") and not only.failures
+
+
+def test_module_without_hooks_named_in_plugin_list_is_reported(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SAKURA_PLUGINS", "json")
+    with pytest.warns(RuntimeWarning, match="module 'json' implements no sakura_\\* hook"):
+        get_plugin_manager().registry("service")

@@ -2,14 +2,16 @@
 
 Sources, highest precedence first:
 
-1. arguments to :meth:`SakuraRuntime.from_config` / :func:`load_config`;
+1. arguments to :meth:`SakuraRuntime.from_config` / :func:`load_config`, including an
+   explicit ``path`` to a config file;
 2. the environment: ``SAKURA_PLUGINS``, ``SAKURA_DISABLED_PLUGINS``,
    ``SAKURA_DISABLE_PLUGIN_AUTOLOAD=1``, and ``SAKURA_CONFIG`` (a TOML file used instead
    of the files below);
-3. ``sakura.toml`` in the working directory (or the ``path`` given);
+3. ``sakura.toml`` in the working directory;
 4. ``[tool.sakura]`` in ``pyproject.toml`` in the working directory.
 
-Only the first file found among 2-4 is read.  Keys (all optional)::
+Only one file is read: ``path``, else ``$SAKURA_CONFIG``, else ``./sakura.toml``, else
+``./pyproject.toml``.  Keys (all optional)::
 
     plugins = ["my-plugin"]            # load only these plugins
     disabled_plugins = ["other"]       # never load these

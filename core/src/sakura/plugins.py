@@ -186,6 +186,11 @@ class PluginInfo:
     provides: dict[str, list[str]] = field(default_factory=dict)
 
 
+def _normalize(name: str) -> str:
+    """Distribution names compare as PyPI does: case-insensitive, ``-``/``_``/``.`` alike."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 def _split_env(value: str | None) -> list[str]:
     return [item.strip() for item in (value or "").split(",") if item.strip()]
 
@@ -221,19 +226,20 @@ class PluginManager:
                 return
             self._loaded = True
             self._register_module(importlib.import_module(BUILTIN_PLUGIN), "sakura", "sakura-core")
-            wanted = set(self.only) if self.only is not None else None
-            seen: set[str] = set()
+            wanted = {_normalize(n) for n in self.only} if self.only is not None else None
+            disabled = {_normalize(n) for n in self.disabled}
+            known: set[str] = set()
             for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
                 dist = ep.dist.name if ep.dist is not None else None
-                names = {ep.name} | ({dist} if dist else set())
-                if names & set(self.disabled):
+                names = {_normalize(ep.name)} | ({_normalize(dist)} if dist else set())
+                known |= names
+                if names & disabled:
                     continue
                 if wanted is not None:
                     if not names & wanted:
                         continue
                 elif not self.autoload:
                     continue
-                seen |= names
                 if ep.name in self._info:
                     continue  # the same distribution seen twice on sys.path
                 try:
@@ -242,9 +248,9 @@ class PluginManager:
                     self._fail(ep.name, dist, exc)
                     continue
                 self._register_module(module, ep.name, dist)
-            for item in sorted((wanted or set()) - seen):
-                if item in self.disabled:
-                    continue
+            for item in self.only or ():
+                if _normalize(item) in known or _normalize(item) in disabled:
+                    continue  # an entry point or distribution name, handled above
                 try:
                     module = importlib.import_module(item)
                 except ImportError as exc:
@@ -257,6 +263,16 @@ class PluginManager:
                     continue
                 except Exception as exc:
                     self._fail(item, None, exc)
+                    continue
+                if not any(attr.startswith("sakura_") for attr in dir(module)):
+                    self._fail(
+                        item,
+                        None,
+                        ValueError(
+                            f"module {item!r} implements no sakura_* hook; name the plugin by its "
+                            f"entry-point or distribution name, or the module that holds the hooks"
+                        ),
+                    )
                     continue
                 self._register_module(module, item, None)
             # Hook names are checked once everything is registered, because a package may

@@ -130,10 +130,10 @@ class SakuraRuntime:
     ) -> SakuraRuntime:
         """Build a runtime from arguments, environment and configuration files.
 
-        Precedence, highest first: the arguments given here; the environment
-        (``SAKURA_PLUGINS``, ``SAKURA_DISABLED_PLUGINS``, ``SAKURA_DISABLE_PLUGIN_AUTOLOAD``,
-        ``SAKURA_CONFIG``); ``path`` or ``./sakura.toml``; ``[tool.sakura]`` in
-        ``./pyproject.toml``.  See ``docs/configuration.md``.
+        Precedence, highest first: the arguments given here (an explicit ``path``
+        included); the environment (``SAKURA_PLUGINS``, ``SAKURA_DISABLED_PLUGINS``,
+        ``SAKURA_DISABLE_PLUGIN_AUTOLOAD``, ``SAKURA_CONFIG``); ``./sakura.toml``;
+        ``[tool.sakura]`` in ``./pyproject.toml``.  See ``docs/configuration.md``.
         """
         from sakura.config import load_config
 
@@ -357,20 +357,40 @@ class SakuraRuntime:
     def prepare(self, model: Any, optimizer: Any = None) -> tuple[Any, Any]:
         """Thread ``model`` through every ``wrap_model`` and then ``optimizer`` through every
         ``wrap_optimizer``, in priority order.  Returns ``(model, optimizer)``."""
+        model = self.wrap_model(model)
+        if optimizer is not None:
+            optimizer = self.wrap_optimizer(optimizer)
+        return model, optimizer
+
+    def wrap_model(self, model: Any) -> Any:
+        """Thread ``model`` through every service's ``wrap_model`` (what ``prepare`` does
+        first); for adapters whose framework sets up the model and optimizers apart."""
         for service, wrap in self._calls.get("wrap_model", ()):
             try:
                 model = wrap(model)
             except BaseException as exc:
                 _annotate(exc, service, "wrap_model")
                 raise
-        if optimizer is not None:
-            for service, wrap in self._calls.get("wrap_optimizer", ()):
-                try:
-                    optimizer = wrap(optimizer)
-                except BaseException as exc:
-                    _annotate(exc, service, "wrap_optimizer")
-                    raise
-        return model, optimizer
+        return model
+
+    def wrap_optimizer(self, optimizer: Any) -> Any:
+        """Thread ``optimizer`` through every service's ``wrap_optimizer``."""
+        for service, wrap in self._calls.get("wrap_optimizer", ()):
+            try:
+                optimizer = wrap(optimizer)
+            except BaseException as exc:
+                _annotate(exc, service, "wrap_optimizer")
+                raise
+        return optimizer
+
+    def implements(self, call: str) -> tuple[str, ...]:
+        """Names of the installed services implementing the coordinated call or lifecycle
+        hook ``call`` (``"optimizer_step"``, ``"autocast"``...), in priority order.
+
+        Adapters use it to check, before training starts, that every installed service
+        can take effect in their framework.
+        """
+        return tuple(service.name for service, _ in self._calls.get(call, ()))
 
     def autocast(self) -> AbstractContextManager[Any]:
         """A context manager for the forward pass that enters every service's ``autocast()``

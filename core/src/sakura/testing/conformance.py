@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -156,7 +157,25 @@ def check_no_work_on_unhandled_events(factory: Factory) -> None:
 
 
 class ServiceConformance:
-    """Base class of a pytest test class checking one service.  Implement ``make_service``."""
+    """Base class of a pytest test class checking one service.  Implement ``make_service``.
+
+    ``self.tmp_path`` is a fresh temporary directory per test (pytest's ``tmp_path``), for
+    services that write files.
+    """
+
+    tmp_path: Path
+
+    try:
+        import pytest as _pytest
+    except ImportError:  # pragma: no cover - the base class is only useful under pytest
+        pass
+    else:
+
+        @_pytest.fixture(autouse=True)
+        def _sakura_tmp_path(self, tmp_path: Path) -> None:
+            self.tmp_path = tmp_path
+
+        del _pytest
 
     def make_service(self) -> Any:
         raise NotImplementedError("implement make_service() to return a fresh service")

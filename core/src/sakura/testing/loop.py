@@ -38,7 +38,7 @@ from sakura.events import (
 )
 from sakura.runtime import SakuraRuntime
 
-__all__ = ["TinyLoopResult", "run_tiny_loop"]
+__all__ = ["TinyLoopResult", "expected_event_names", "run_tiny_loop"]
 
 
 @dataclass
