@@ -131,6 +131,31 @@ def wheel_extras(wheel: Path) -> set[str]:
     return {line.split(":", 1)[1].strip() for line in lines if line.startswith("Provides-Extra:")}
 
 
+def third_party_requirements(wheels: list[Path], ours: set[str]) -> list[str]:
+    """The ``Requires-Dist`` of ``wheels`` (with their ``test`` extras) that are not ours."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    found: list[str] = []
+    for wheel in wheels:
+        with zipfile.ZipFile(wheel) as zf:
+            metadata = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+            lines = zf.read(metadata).decode("utf-8").splitlines()
+        for line in lines:
+            if not line.startswith("Requires-Dist:"):
+                continue
+            req = Requirement(line.split(":", 1)[1].strip())
+            if canonicalize_name(req.name) in ours:
+                continue
+            if req.marker is not None and not any(
+                req.marker.evaluate({"extra": extra}) for extra in ("", "test")
+            ):
+                continue
+            req.marker = None
+            found.append(str(req))
+    return sorted(set(found))
+
+
 def run_outside_session(
     session: nox.Session, args: list[str], env: dict[str, str], *, label: str | None = None
 ) -> None:
@@ -206,12 +231,12 @@ def integration(session: nox.Session) -> None:
     python, env = fresh_venv_env(INTEGRATION_ENV)
     constraints = torch_constraints(session)
 
-    # Each wheel by path (with its test extra when it has one): a name alone could resolve
-    # to an unrelated distribution of the same name on an index. --find-links lets wheels
-    # that depend on each other find the local builds.
-    requirements = []
-    for wheel in wheels:
-        requirements.append(f"{wheel}[test]" if "test" in wheel_extras(wheel) else str(wheel))
+    # As a user would: `pip install sakura-core ...` by name. Some of our names also exist on
+    # the package index with unrelated projects (sakura-core 0.1.2 there is not ours), so
+    # the install by name runs with --no-index --find-links dist: only our builds can match.
+    # Their third-party dependencies are installed first, from the index.
+    names = [wheel_name_version(w)[0] for w in wheels]
+    ours = set(names)
     run_outside_session(
         session,
         [
@@ -225,9 +250,28 @@ def integration(session: nox.Session) -> None:
             constraints,
             TORCH_PIN,
             "pytest>=7",
+            *third_party_requirements(wheels, ours),
+        ],
+        env,
+        label="install third-party dependencies of the built wheels",
+    )
+    requirements = [
+        f"{n}[test]" if "test" in wheel_extras(w) else n for n, w in zip(names, wheels, strict=True)
+    ]
+    run_outside_session(
+        session,
+        [
+            str(python),
+            "-m",
+            "pip",
+            "install",
+            "--no-index",
+            "--find-links",
+            str(DIST),
             *requirements,
         ],
         env,
+        label="pip install --no-index --find-links dist " + " ".join(requirements),
     )
 
     # Prove that what runs is the installed build, not the source tree.

@@ -1,0 +1,255 @@
+"""LightningAdapter under a real lightning.Trainer (CPU, tiny model)."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import sakura
+from sakura import OnError, OnOptimizerStep, SakuraRuntime, Service
+from sakura.testing import RecordingService
+
+pl = pytest.importorskip("lightning.pytorch")
+from sakura_adapters.lightning import LightningAdapter, SakuraPrecision  # noqa: E402
+
+STEPS_PER_EPOCH = 3
+BATCH = 4
+
+
+class TinyModule(pl.LightningModule):
+    def __init__(self, lr: float = 0.1) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        self.lr = lr
+        self.forward_dtypes: list[torch.dtype] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.net(x)
+        self.forward_dtypes.append(out.dtype)
+        return out
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self(x).float(), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self(x).float(), y))
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("test_loss", torch.nn.functional.mse_loss(self(x).float(), y))
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+def data() -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randn(STEPS_PER_EPOCH * BATCH, 6, generator=g), torch.randn(STEPS_PER_EPOCH * BATCH, 2, generator=g))
+
+
+def loader() -> DataLoader[Any]:
+    return DataLoader(data(), batch_size=BATCH, shuffle=False)
+
+
+def trainer(rt: SakuraRuntime, tmp_path: Path, **kwargs: Any) -> Any:
+    options: dict[str, Any] = dict(
+        max_epochs=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, default_root_dir=str(tmp_path), accelerator="cpu", devices=1,
+    )
+    options.update(kwargs)
+    callbacks = [LightningAdapter(rt), *options.pop("callbacks", [])]
+    return pl.Trainer(callbacks=callbacks, **options)
+
+
+PER_STEP = ["OnTrainStepBegin", "OnBeforeZeroGrad", "OnBeforeBackward", "OnAfterBackward",
+            "OnBeforeOptimizerStep", "OnOptimizerStep", "OnTrainStepEnd"]
+VALIDATION = ["OnValidationBegin", "OnValidationEpochBegin", "OnValidationBatchBegin", "OnValidationBatchEnd",
+              "OnValidationEpochEnd", "OnValidationEnd"]
+
+
+def test_fit_emits_the_exact_event_sequence(tmp_path: Path) -> None:
+    rec = RecordingService()
+    with SakuraRuntime([rec], strict=True) as rt:
+        trainer(rt, tmp_path).fit(TinyModule(), loader(), DataLoader(data(), batch_size=12))
+    epoch = ["OnEpochBegin", *PER_STEP * STEPS_PER_EPOCH, *VALIDATION, "OnEpochEnd", "OnSaveCheckpoint"]
+    assert rec.names == ["OnSetup", "OnFitBegin", "OnTrainBegin", *epoch * 2, "OnTrainEnd", "OnFitEnd", "OnTeardown"]
+    assert [e.step for e in rec.of(OnOptimizerStep)] == [1, 2, 3, 4, 5, 6]
+    assert [e.epoch for e in rec.of(sakura.OnEpochEnd)] == [0, 1]
+    assert all((e.rank, e.world_size) == (0, 1) for e in rec.events)
+    epoch_end = rec.of(sakura.OnEpochEnd)[-1]
+    assert set(epoch_end.metrics) >= {"train_loss", "val_loss"}
+    assert isinstance(rec.of(sakura.OnTrainBegin)[0].optimizer, torch.optim.SGD)
+    assert rec.of(sakura.OnSaveCheckpoint)[0].checkpoint["sakura"] == {}
+    assert float(rec.of(sakura.OnTrainStepEnd)[0].loss) > 0
+
+
+def test_sanity_check_validate_test_and_predict_events(tmp_path: Path) -> None:
+    rec = RecordingService()
+    with SakuraRuntime([rec], strict=True) as rt:
+        t = trainer(rt, tmp_path, max_epochs=1, num_sanity_val_steps=1, enable_checkpointing=False)
+        module = TinyModule()
+        t.fit(module, loader(), loader())
+        assert rec.names[2:4] == ["OnSanityCheckBegin", "OnValidationBegin"]
+        assert "OnSanityCheckEnd" in rec.names
+        rec.events.clear()
+        t.test(module, loader())
+        assert rec.names[:3] == ["OnSetup", "OnTestBegin", "OnTestEpochBegin"]
+        assert rec.names.count("OnTestBatchEnd") == STEPS_PER_EPOCH
+        assert rec.of(sakura.OnTestEnd)[0].metrics["test_loss"] > 0
+        rec.events.clear()
+        t.predict(module, loader())
+        assert rec.names.count("OnPredictBatchEnd") == STEPS_PER_EPOCH
+        assert rec.names[-2:] == ["OnPredictEnd", "OnTeardown"]
+        assert rec.of(sakura.OnPredictBatchEnd)[0].outputs.shape == (BATCH, 2)
+
+
+def reference_weights(steps_epochs: int = 2, clip: float | None = None) -> list[torch.Tensor]:
+    module = TinyModule()
+    opt = module.configure_optimizers()
+    for _ in range(steps_epochs):
+        for x, y in loader():
+            loss = torch.nn.functional.mse_loss(module(x).float(), y)
+            loss.backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return [p.detach().clone() for p in module.parameters()]
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_service_that_owns_the_step_matches_a_hand_written_loop(
+    tmp_path: Path, step_owner: Any, clip: float | None
+) -> None:
+    module = TinyModule()
+    with SakuraRuntime([step_owner], strict=True) as rt:
+        t = trainer(rt, tmp_path, enable_checkpointing=False, gradient_clip_val=clip)
+        t.fit(module, loader())
+        assert isinstance(t.strategy.precision_plugin, SakuraPrecision)
+    for ours, ref in zip(module.parameters(), reference_weights(clip=clip), strict=True):
+        torch.testing.assert_close(ours.detach(), ref, rtol=0, atol=1e-6)
+    assert step_owner.steps == 2 * STEPS_PER_EPOCH
+    # with clipping, the clip asked for unscaling and the step found it already done
+    assert step_owner.unscale_calls == (3 if clip else 2) * 2 * STEPS_PER_EPOCH
+
+
+def test_resume_restores_service_state(tmp_path: Path, step_counter: Any) -> None:
+    with SakuraRuntime([step_counter], strict=True) as rt:
+        trainer(rt, tmp_path, max_epochs=1).fit(TinyModule(), loader())
+    [ckpt] = list(tmp_path.rglob("*.ckpt"))
+    saved = torch.load(ckpt, weights_only=True)
+    assert saved["sakura"] == {"step_counter": {"count": STEPS_PER_EPOCH}}
+    resumed = type(step_counter)()
+    with SakuraRuntime([resumed], strict=True) as rt:
+        trainer(rt, tmp_path, max_epochs=2).fit(TinyModule(), loader(), ckpt_path=str(ckpt))
+    assert resumed.loaded == STEPS_PER_EPOCH
+    assert resumed.count == 2 * STEPS_PER_EPOCH
+
+
+def test_handler_exception_does_not_stop_training(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    failing = RecordingService("failing", fail_on={"OnTrainStepEnd"})
+    watcher = RecordingService("watcher", event_types={OnError})
+    module = TinyModule()
+    with caplog.at_level(logging.CRITICAL, logger="sakura"), SakuraRuntime([failing, watcher]) as rt:
+        t = trainer(rt, tmp_path, enable_checkpointing=False)
+        t.fit(module, loader())
+    assert t.global_step == 2 * STEPS_PER_EPOCH
+    assert len(watcher.events) == 2 * STEPS_PER_EPOCH
+    assert {e.source for e in watcher.events} == {"failing"}
+
+
+def test_exception_in_training_reaches_services_as_on_error(tmp_path: Path) -> None:
+    class Exploding(TinyModule):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            raise RuntimeError("model exploded")
+
+    watcher = RecordingService("watcher", event_types={OnError})
+    with pytest.raises(RuntimeError, match="model exploded"), SakuraRuntime([watcher]) as rt:
+        trainer(rt, tmp_path).fit(Exploding(), loader())
+    assert [e.source for e in watcher.events] == ["lightning", "training loop"]
+
+
+class BF16Autocast(Service):
+    @contextmanager
+    def _ctx(self) -> Any:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            yield
+
+    def autocast(self) -> Any:
+        return self._ctx()
+
+
+def test_autocast_service_takes_effect_with_only_the_callback(tmp_path: Path) -> None:
+    module = TinyModule()
+    with SakuraRuntime([BF16Autocast()], strict=True) as rt:
+        trainer(rt, tmp_path, max_epochs=1, enable_checkpointing=False, limit_train_batches=1).fit(module, loader())
+    assert module.forward_dtypes == [torch.bfloat16]
+
+
+def test_precision_conflict_is_an_error_at_setup(tmp_path: Path) -> None:
+    with SakuraRuntime([BF16Autocast()]) as rt:
+        t = trainer(rt, tmp_path, precision="bf16-mixed")
+        with pytest.raises(ValueError, match=r"Trainer\(precision='bf16-mixed'\) and the sakura service\(s\) \['bf16_autocast'\]"):
+            t.fit(TinyModule(), loader())
+
+
+def test_true_precision_modes_combine_with_non_precision_services(tmp_path: Path, step_counter: Any) -> None:
+    module = TinyModule()
+    with SakuraRuntime([step_counter], strict=True) as rt:
+        trainer(rt, tmp_path, precision="64-true", max_epochs=1, enable_checkpointing=False).fit(module, loader())
+    assert next(module.parameters()).dtype == torch.float64
+    assert step_counter.count == STEPS_PER_EPOCH
+
+
+class Wrapping(Service):
+    def __init__(self, replace: bool = False) -> None:
+        self.replace = replace
+        self.seen: list[Any] = []
+
+    def wrap_model(self, model: Any) -> Any:
+        self.seen.append(model)
+        model.wrapped_by_sakura = True
+        return torch.nn.Linear(1, 1) if self.replace else model
+
+    def wrap_optimizer(self, optimizer: Any) -> Any:
+        optimizer.wrapped_by_sakura = True
+        return optimizer
+
+
+def test_model_and_optimizer_wrapping_through_the_precision_plugin(tmp_path: Path) -> None:
+    module = TinyModule()
+    with SakuraRuntime([Wrapping()], strict=True) as rt:
+        t = trainer(rt, tmp_path, max_epochs=1, enable_checkpointing=False)
+        t.fit(module, loader())
+    assert module.wrapped_by_sakura and t.optimizers[0].wrapped_by_sakura
+
+
+def test_wrap_model_must_keep_the_lightning_module(tmp_path: Path) -> None:
+    with SakuraRuntime([Wrapping(replace=True)]) as rt:
+        with pytest.raises(TypeError, match="must modify the LightningModule in place"):
+            trainer(rt, tmp_path).fit(TinyModule(), loader())
+
+
+def test_bad_runtime_argument() -> None:
+    with pytest.raises(TypeError, match="rt must be a sakura.SakuraRuntime, got NoneType"):
+        LightningAdapter(None)  # type: ignore[arg-type]
+
+
+def test_facade_resolves_the_adapter() -> None:
+    from sakura.adapters import LightningAdapter as FromFacade  # type: ignore[attr-defined]
+
+    assert FromFacade is LightningAdapter
