@@ -176,7 +176,10 @@ def test_misnamed_plugin_hook_is_a_load_failure_naming_the_nearest(
         assert "greeter" not in manager.registry("service")
 
 
-def test_unknown_service_lists_available_and_names_missing_package() -> None:
+def test_unknown_service_lists_available_and_names_missing_package(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SAKURA_DISABLE_PLUGIN_AUTOLOAD", "1")
     manager = get_plugin_manager()
     with pytest.raises(UnknownNameError) as info:
         manager.create("service", "mixed_precision:bf16")
@@ -190,7 +193,8 @@ def test_unknown_service_lists_available_and_names_missing_package() -> None:
         manager.create("service", "telemetri")
 
 
-def test_facades_raise_import_error_naming_the_package() -> None:
+def test_facades_raise_import_error_naming_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SAKURA_DISABLE_PLUGIN_AUTOLOAD", "1")  # as if only sakura-core were installed
     with pytest.raises(ImportError, match="pip install sakura-precision"):
         from sakura.services import MixedPrecision  # type: ignore[attr-defined]  # noqa: F401
     with pytest.raises(ImportError, match="pip install sakura-adapters"):

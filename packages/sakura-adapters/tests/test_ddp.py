@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -11,11 +12,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from sakura_adapters.ddp import DDPAdapter
 
 from sakura import OnOptimizerStep, SakuraRuntime, Service
 from sakura.testing import RecordingService
-from sakura_adapters.ddp import DDPAdapter
 
 EPOCHS, STEPS, BATCH = 2, 3, 8
 
@@ -27,7 +27,7 @@ def batches(rank: int = 0, world_size: int = 1) -> list[tuple[torch.Tensor, torc
     for _ in range(STEPS):
         x, y = torch.randn(BATCH, 5, generator=g), torch.randn(BATCH, 1, generator=g)
         shard = BATCH // world_size
-        out.append((x[rank * shard:(rank + 1) * shard], y[rank * shard:(rank + 1) * shard]))
+        out.append((x[rank * shard : (rank + 1) * shard], y[rank * shard : (rank + 1) * shard]))
     return out
 
 
@@ -36,7 +36,9 @@ def make_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
 
 
-def train_one_step(model: torch.nn.Module, batch: Any, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+def train_one_step(
+    model: torch.nn.Module, batch: Any, optimizer: torch.optim.Optimizer
+) -> torch.Tensor:
     x, y = batch
     loss = torch.nn.functional.mse_loss(model(x), y)
     optimizer.zero_grad(set_to_none=True)
@@ -70,8 +72,11 @@ def quickstart_loop(rt: SakuraRuntime, rank: int, world_size: int, model: torch.
     adapter.on_train_end(model)
 
 
-QUICKSTART = ["OnTrainBegin", *(["OnEpochBegin", *["OnTrainStepBegin", "OnOptimizerStep"] * STEPS, "OnEpochEnd"] * EPOCHS),
-              "OnTrainEnd"]
+QUICKSTART = [
+    "OnTrainBegin",
+    *(["OnEpochBegin", *["OnTrainStepBegin", "OnOptimizerStep"] * STEPS, "OnEpochEnd"] * EPOCHS),
+    "OnTrainEnd",
+]
 
 
 def test_quickstart_flow_single_process() -> None:
@@ -80,11 +85,17 @@ def test_quickstart_flow_single_process() -> None:
         quickstart_loop(rt, 0, 1, make_model())
     assert rec.names == QUICKSTART
     assert [e.step for e in rec.of(OnOptimizerStep)] == list(range(1, EPOCHS * STEPS + 1))
-    assert [e.batch_idx for e in rec.events if type(e).__name__ == "OnTrainStepBegin"] == [0, 1, 2] * EPOCHS
+    assert [e.batch_idx for e in rec.events if type(e).__name__ == "OnTrainStepBegin"] == [
+        0,
+        1,
+        2,
+    ] * EPOCHS
     assert float(rec.events[-2].metrics["train_loss"]) > 0
 
 
-def owned_loop(rt: SakuraRuntime, model: torch.nn.Module, rank: int = 0, world_size: int = 1) -> DDPAdapter:
+def owned_loop(
+    rt: SakuraRuntime, model: torch.nn.Module, rank: int = 0, world_size: int = 1
+) -> DDPAdapter:
     """A raw loop that lets the runtime own backward and the step."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     model, optimizer = rt.prepare(model, optimizer)
@@ -114,32 +125,50 @@ def test_service_that_owns_the_step_matches_the_hand_written_loop(step_owner: An
     for ours, ref in zip(model.parameters(), reference_weights(), strict=True):
         torch.testing.assert_close(ours.detach(), ref, rtol=0, atol=1e-6)
     assert step_owner.steps == EPOCHS * STEPS
-    per_step = ["OnTrainStepBegin", "OnBeforeBackward", "OnAfterBackward", "OnBeforeOptimizerStep",
-                "OnOptimizerStep", "OnBeforeZeroGrad", "OnTrainStepEnd"]
-    assert rec.names == ["OnTrainBegin", *(["OnEpochBegin", *per_step * STEPS, "OnEpochEnd"] * EPOCHS), "OnTrainEnd"]
+    per_step = [
+        "OnTrainStepBegin",
+        "OnBeforeBackward",
+        "OnAfterBackward",
+        "OnBeforeOptimizerStep",
+        "OnOptimizerStep",
+        "OnBeforeZeroGrad",
+        "OnTrainStepEnd",
+    ]
+    assert rec.names == [
+        "OnTrainBegin",
+        *(["OnEpochBegin", *per_step * STEPS, "OnEpochEnd"] * EPOCHS),
+        "OnTrainEnd",
+    ]
 
 
 def test_checkpoint_round_trip_through_the_adapter(tmp_path: Path, step_counter: Any) -> None:
     with SakuraRuntime([step_counter], strict=True) as rt:
         adapter = owned_loop(rt, make_model())
-        checkpoint = adapter.on_save_checkpoint({"global_step": adapter.global_step}, path=tmp_path / "c.pt")
+        checkpoint = adapter.on_save_checkpoint(
+            {"global_step": adapter.global_step}, path=tmp_path / "c.pt"
+        )
         torch.save(checkpoint, tmp_path / "c.pt")
     fresh = type(step_counter)()
     with SakuraRuntime([fresh], strict=True) as rt:
         adapter = DDPAdapter(rt)
-        adapter.on_load_checkpoint(torch.load(tmp_path / "c.pt", weights_only=True), path=str(tmp_path / "c.pt"))
+        adapter.on_load_checkpoint(
+            torch.load(tmp_path / "c.pt", weights_only=True), path=str(tmp_path / "c.pt")
+        )
     assert fresh.loaded == EPOCHS * STEPS and adapter.global_step == EPOCHS * STEPS
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"rank": -1, "world_size": 2}, "rank must be an int >= 0"), ({"rank": 0, "world_size": 0}, "world_size must be"),
-     ({"rank": 2, "world_size": 2}, r"rank must be in \[0, world_size=2\)")],
+    [
+        ({"rank": -1, "world_size": 2}, "rank must be an int >= 0"),
+        ({"rank": 0, "world_size": 0}, "world_size must be"),
+        ({"rank": 2, "world_size": 2}, r"rank must be in \[0, world_size=2\)"),
+    ],
 )
 def test_bad_rank_and_world_size(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         DDPAdapter(SakuraRuntime(), **kwargs)
-    with pytest.raises(TypeError, match="rt must be a sakura.SakuraRuntime"):
+    with pytest.raises(TypeError, match=r"rt must be a sakura\.SakuraRuntime"):
         DDPAdapter("runtime")  # type: ignore[arg-type]
 
 
@@ -158,7 +187,10 @@ class RankFile(Service):
 
 
 def _worker(rank: int, world_size: int, init_file: str, out_dir: str, mode: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    """One rank of the 2-process test; runs in its own interpreter (see ``__main__``)."""
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+    )
     try:
         torch.set_num_threads(1)
         model = torch.nn.parallel.DistributedDataParallel(make_model())
@@ -172,17 +204,55 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str, mode: str)
             if mode == "owned":
                 owned_loop(rt, model, rank, world_size)
             else:
-                adapter_rank = dist.get_rank()
-                quickstart_loop(rt, adapter_rank, dist.get_world_size(), model)
-        torch.save([p.detach() for p in model.module.parameters()], os.path.join(out_dir, f"weights{rank}.pt"))
+                quickstart_loop(rt, dist.get_rank(), dist.get_world_size(), model)
+        weights = [p.detach() for p in model.module.parameters()]
+        torch.save(weights, os.path.join(out_dir, f"weights{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
+def launch(world_size: int, out_dir: Path, mode: str, timeout: float = 120.0) -> None:
+    """Start ``world_size`` ranks as separate processes, like torchrun: the rendezvous is a
+    file and gloo talks over the loopback interface only.  A rank that dies or hangs fails
+    the test with its output instead of blocking it."""
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    init_file = out_dir / "init"
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                str(rank),
+                str(world_size),
+                str(init_file),
+                str(out_dir),
+                mode,
+            ],
+            env={**env, "RANK": str(rank), "WORLD_SIZE": str(world_size)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(world_size)
+    ]
+    failures = []
+    for rank, proc in enumerate(procs):
+        try:
+            output, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.kill()
+            output = proc.communicate()[0]
+            failures.append(f"rank {rank} timed out after {timeout}s:\n{output}")
+            continue
+        if proc.returncode != 0:
+            failures.append(f"rank {rank} exited with {proc.returncode}:\n{output}")
+    assert not failures, "\n".join(failures)
+
+
 @pytest.mark.parametrize("mode", ["quickstart", "owned"])
 def test_two_gloo_ranks(tmp_path: Path, mode: str) -> None:
-    mp.start_processes(_worker, args=(2, str(tmp_path / "init"), str(tmp_path), mode), nprocs=2, join=True,
-                       start_method="spawn")
+    launch(2, tmp_path, mode)
     reference = reference_weights()
     for rank in (0, 1):
         seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
@@ -190,8 +260,14 @@ def test_two_gloo_ranks(tmp_path: Path, mode: str) -> None:
         if mode == "quickstart":
             assert names == QUICKSTART
         assert {(s[1], s[2]) for s in seen} == {(rank, 2)}  # every event carries this rank
-        assert [s[3] for s in seen if s[0] == "OnOptimizerStep"] == list(range(1, EPOCHS * STEPS + 1))
+        steps = [s[3] for s in seen if s[0] == "OnOptimizerStep"]
+        assert steps == list(range(1, EPOCHS * STEPS + 1))
         # DDP averages the shard gradients: the same weights as one process on the full batch
         weights = torch.load(tmp_path / f"weights{rank}.pt", weights_only=True)
         for ours, ref in zip(weights, reference, strict=True):
             torch.testing.assert_close(ours, ref, rtol=0, atol=1e-6)
+
+
+if __name__ == "__main__":
+    _rank, _world, _init, _out, _mode = sys.argv[1:6]
+    _worker(int(_rank), int(_world), _init, _out, _mode)

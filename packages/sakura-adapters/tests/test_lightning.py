@@ -26,7 +26,9 @@ class TinyModule(pl.LightningModule):
     def __init__(self, lr: float = 0.1) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)
+        )
         self.lr = lr
         self.forward_dtypes: list[torch.dtype] = []
 
@@ -58,7 +60,10 @@ class TinyModule(pl.LightningModule):
 
 def data() -> TensorDataset:
     g = torch.Generator().manual_seed(1)
-    return TensorDataset(torch.randn(STEPS_PER_EPOCH * BATCH, 6, generator=g), torch.randn(STEPS_PER_EPOCH * BATCH, 2, generator=g))
+    return TensorDataset(
+        torch.randn(STEPS_PER_EPOCH * BATCH, 6, generator=g),
+        torch.randn(STEPS_PER_EPOCH * BATCH, 2, generator=g),
+    )
 
 
 def loader() -> DataLoader[Any]:
@@ -67,26 +72,59 @@ def loader() -> DataLoader[Any]:
 
 def trainer(rt: SakuraRuntime, tmp_path: Path, **kwargs: Any) -> Any:
     options: dict[str, Any] = dict(
-        max_epochs=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, default_root_dir=str(tmp_path), accelerator="cpu", devices=1,
+        max_epochs=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=str(tmp_path),
+        accelerator="cpu",
+        devices=1,
     )
     options.update(kwargs)
     callbacks = [LightningAdapter(rt), *options.pop("callbacks", [])]
     return pl.Trainer(callbacks=callbacks, **options)
 
 
-PER_STEP = ["OnTrainStepBegin", "OnBeforeZeroGrad", "OnBeforeBackward", "OnAfterBackward",
-            "OnBeforeOptimizerStep", "OnOptimizerStep", "OnTrainStepEnd"]
-VALIDATION = ["OnValidationBegin", "OnValidationEpochBegin", "OnValidationBatchBegin", "OnValidationBatchEnd",
-              "OnValidationEpochEnd", "OnValidationEnd"]
+PER_STEP = [
+    "OnTrainStepBegin",
+    "OnBeforeZeroGrad",
+    "OnBeforeBackward",
+    "OnAfterBackward",
+    "OnBeforeOptimizerStep",
+    "OnOptimizerStep",
+    "OnTrainStepEnd",
+]
+VALIDATION = [
+    "OnValidationBegin",
+    "OnValidationEpochBegin",
+    "OnValidationBatchBegin",
+    "OnValidationBatchEnd",
+    "OnValidationEpochEnd",
+    "OnValidationEnd",
+]
 
 
 def test_fit_emits_the_exact_event_sequence(tmp_path: Path) -> None:
     rec = RecordingService()
     with SakuraRuntime([rec], strict=True) as rt:
         trainer(rt, tmp_path).fit(TinyModule(), loader(), DataLoader(data(), batch_size=12))
-    epoch = ["OnEpochBegin", *PER_STEP * STEPS_PER_EPOCH, *VALIDATION, "OnEpochEnd", "OnSaveCheckpoint"]
-    assert rec.names == ["OnSetup", "OnFitBegin", "OnTrainBegin", *epoch * 2, "OnTrainEnd", "OnFitEnd", "OnTeardown"]
+    epoch = [
+        "OnEpochBegin",
+        *PER_STEP * STEPS_PER_EPOCH,
+        *VALIDATION,
+        "OnEpochEnd",
+        "OnSaveCheckpoint",
+    ]
+    assert rec.names == [
+        "OnSetup",
+        "OnFitBegin",
+        "OnTrainBegin",
+        *epoch * 2,
+        "OnTrainEnd",
+        "OnFitEnd",
+        "OnTeardown",
+    ]
     assert [e.step for e in rec.of(OnOptimizerStep)] == [1, 2, 3, 4, 5, 6]
     assert [e.epoch for e in rec.of(sakura.OnEpochEnd)] == [0, 1]
     assert all((e.rank, e.world_size) == (0, 1) for e in rec.events)
@@ -160,11 +198,16 @@ def test_resume_restores_service_state(tmp_path: Path, step_counter: Any) -> Non
     assert resumed.count == 2 * STEPS_PER_EPOCH
 
 
-def test_handler_exception_does_not_stop_training(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_handler_exception_does_not_stop_training(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     failing = RecordingService("failing", fail_on={"OnTrainStepEnd"})
     watcher = RecordingService("watcher", event_types={OnError})
     module = TinyModule()
-    with caplog.at_level(logging.CRITICAL, logger="sakura"), SakuraRuntime([failing, watcher]) as rt:
+    with (
+        caplog.at_level(logging.CRITICAL, logger="sakura"),
+        SakuraRuntime([failing, watcher]) as rt,
+    ):
         t = trainer(rt, tmp_path, enable_checkpointing=False)
         t.fit(module, loader())
     assert t.global_step == 2 * STEPS_PER_EPOCH
@@ -196,21 +239,30 @@ class BF16Autocast(Service):
 def test_autocast_service_takes_effect_with_only_the_callback(tmp_path: Path) -> None:
     module = TinyModule()
     with SakuraRuntime([BF16Autocast()], strict=True) as rt:
-        trainer(rt, tmp_path, max_epochs=1, enable_checkpointing=False, limit_train_batches=1).fit(module, loader())
+        trainer(rt, tmp_path, max_epochs=1, enable_checkpointing=False, limit_train_batches=1).fit(
+            module, loader()
+        )
     assert module.forward_dtypes == [torch.bfloat16]
 
 
 def test_precision_conflict_is_an_error_at_setup(tmp_path: Path) -> None:
     with SakuraRuntime([BF16Autocast()]) as rt:
         t = trainer(rt, tmp_path, precision="bf16-mixed")
-        with pytest.raises(ValueError, match=r"Trainer\(precision='bf16-mixed'\) and the sakura service\(s\) \['bf16_autocast'\]"):
+        with pytest.raises(
+            ValueError,
+            match=r"Trainer\(precision='bf16-mixed'\) and the sakura service\(s\) \['bf16_autocast'\]",
+        ):
             t.fit(TinyModule(), loader())
 
 
-def test_true_precision_modes_combine_with_non_precision_services(tmp_path: Path, step_counter: Any) -> None:
+def test_true_precision_modes_combine_with_non_precision_services(
+    tmp_path: Path, step_counter: Any
+) -> None:
     module = TinyModule()
     with SakuraRuntime([step_counter], strict=True) as rt:
-        trainer(rt, tmp_path, precision="64-true", max_epochs=1, enable_checkpointing=False).fit(module, loader())
+        trainer(rt, tmp_path, precision="64-true", max_epochs=1, enable_checkpointing=False).fit(
+            module, loader()
+        )
     assert next(module.parameters()).dtype == torch.float64
     assert step_counter.count == STEPS_PER_EPOCH
 
@@ -239,13 +291,15 @@ def test_model_and_optimizer_wrapping_through_the_precision_plugin(tmp_path: Pat
 
 
 def test_wrap_model_must_keep_the_lightning_module(tmp_path: Path) -> None:
-    with SakuraRuntime([Wrapping(replace=True)]) as rt:
-        with pytest.raises(TypeError, match="must modify the LightningModule in place"):
-            trainer(rt, tmp_path).fit(TinyModule(), loader())
+    with (
+        SakuraRuntime([Wrapping(replace=True)]) as rt,
+        pytest.raises(TypeError, match="must modify the LightningModule in place"),
+    ):
+        trainer(rt, tmp_path).fit(TinyModule(), loader())
 
 
 def test_bad_runtime_argument() -> None:
-    with pytest.raises(TypeError, match="rt must be a sakura.SakuraRuntime, got NoneType"):
+    with pytest.raises(TypeError, match=r"rt must be a sakura\.SakuraRuntime, got NoneType"):
         LightningAdapter(None)  # type: ignore[arg-type]
 
 

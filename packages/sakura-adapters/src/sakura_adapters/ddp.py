@@ -43,7 +43,9 @@ class DDPAdapter:
     runtime's.  They are written to the runtime, so every event carries them.
     """
 
-    def __init__(self, rt: SakuraRuntime, *, rank: int | None = None, world_size: int | None = None) -> None:
+    def __init__(
+        self, rt: SakuraRuntime, *, rank: int | None = None, world_size: int | None = None
+    ) -> None:
         if not isinstance(rt, SakuraRuntime):
             raise TypeError(f"rt must be a sakura.SakuraRuntime, got {type(rt).__name__}")
         if rank is None or world_size is None:
@@ -94,10 +96,19 @@ class DDPAdapter:
         self._emit(ev.OnEpochBegin, model=model or self.model)
 
     def on_epoch_end(
-        self, epoch: int, model: Any = None, optimizer: Any = None, metrics: Mapping[str, Any] | None = None
+        self,
+        epoch: int,
+        model: Any = None,
+        optimizer: Any = None,
+        metrics: Mapping[str, Any] | None = None,
     ) -> None:
         self.epoch = _int("epoch", epoch, 0)
-        self._emit(ev.OnEpochEnd, model=model or self.model, optimizer=optimizer or self.optimizer, metrics=metrics)
+        self._emit(
+            ev.OnEpochEnd,
+            model=model or self.model,
+            optimizer=optimizer or self.optimizer,
+            metrics=metrics,
+        )
 
     # --- per step ---------------------------------------------------------------------
 
@@ -108,7 +119,9 @@ class DDPAdapter:
     def on_train_step_end(
         self, model: Any, batch: Any, step: int, loss: Any = None, outputs: Any = None
     ) -> None:
-        self._emit(ev.OnTrainStepEnd, model=model, batch=batch, batch_idx=step, loss=loss, outputs=outputs)
+        self._emit(
+            ev.OnTrainStepEnd, model=model, batch=batch, batch_idx=step, loss=loss, outputs=outputs
+        )
 
     def on_substep_end(self, model: Any = None, step: int = 0) -> None:
         self._emit(ev.OnSubstepEnd, model=model or self.model, batch_idx=step)
@@ -158,17 +171,32 @@ class DDPAdapter:
     def on_validation_begin(self, model: Any = None) -> None:
         self._emit(ev.OnValidationBegin, model=model or self.model)
 
-    def on_validation_batch_begin(self, model: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._emit(ev.OnValidationBatchBegin, model=model, batch=batch, batch_idx=batch_idx,
-                   dataloader_idx=dataloader_idx)
+    def on_validation_batch_begin(
+        self, model: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._emit(
+            ev.OnValidationBatchBegin,
+            model=model,
+            batch=batch,
+            batch_idx=batch_idx,
+            dataloader_idx=dataloader_idx,
+        )
 
     def on_validation_batch_end(
         self, model: Any, batch: Any, batch_idx: int, outputs: Any = None, dataloader_idx: int = 0
     ) -> None:
-        self._emit(ev.OnValidationBatchEnd, model=model, batch=batch, batch_idx=batch_idx,
-                   dataloader_idx=dataloader_idx, outputs=outputs)
+        self._emit(
+            ev.OnValidationBatchEnd,
+            model=model,
+            batch=batch,
+            batch_idx=batch_idx,
+            dataloader_idx=dataloader_idx,
+            outputs=outputs,
+        )
 
-    def on_validation_end(self, model: Any = None, metrics: Mapping[str, Any] | None = None) -> None:
+    def on_validation_end(
+        self, model: Any = None, metrics: Mapping[str, Any] | None = None
+    ) -> None:
         self._emit(ev.OnValidationEnd, model=model or self.model, metrics=metrics)
 
     def on_test_begin(self, model: Any = None) -> None:
@@ -186,12 +214,21 @@ class DDPAdapter:
         given), emit OnSaveCheckpoint, and return the checkpoint."""
         if checkpoint is not None:
             checkpoint["sakura"] = self.rt.state_dict()
-        self._emit(ev.OnSaveCheckpoint, model=model or self.model, checkpoint=checkpoint,
-                   path=None if path is None else str(path))
+        self._emit(
+            ev.OnSaveCheckpoint,
+            model=model or self.model,
+            checkpoint=checkpoint,
+            path=None if path is None else str(path),
+        )
         return checkpoint
 
     def on_load_checkpoint(
-        self, checkpoint: Mapping[str, Any], path: str | None = None, model: Any = None, *, strict: bool = True
+        self,
+        checkpoint: Mapping[str, Any],
+        path: str | None = None,
+        model: Any = None,
+        *,
+        strict: bool = True,
     ) -> None:
         """Restore the services' state from ``checkpoint["sakura"]`` and emit
         OnLoadCheckpoint; the step counter resumes from ``checkpoint["global_step"]``."""
@@ -200,8 +237,12 @@ class DDPAdapter:
             self.rt.load_state_dict(state, strict=strict)
         if "global_step" in checkpoint:
             self.global_step = _int("checkpoint['global_step']", checkpoint["global_step"], 0)
-        self._emit(ev.OnLoadCheckpoint, model=model or self.model, checkpoint=dict(checkpoint),
-                   path=None if path is None else str(path))
+        self._emit(
+            ev.OnLoadCheckpoint,
+            model=model or self.model,
+            checkpoint=dict(checkpoint),
+            path=None if path is None else str(path),
+        )
 
     def on_error(self, exception: BaseException) -> None:
         self._emit(ev.OnError, exception=exception, source="training loop")

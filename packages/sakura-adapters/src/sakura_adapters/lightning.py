@@ -35,6 +35,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
 from sakura import events as ev
 from sakura.runtime import SakuraRuntime
 
@@ -71,7 +72,9 @@ class SakuraPrecision(Precision):
         super().__init__()
         self.rt = _check_runtime(rt)
         if inner is not None and not isinstance(inner, Precision):
-            raise TypeError(f"inner must be a lightning Precision plugin, got {type(inner).__name__}")
+            raise TypeError(
+                f"inner must be a lightning Precision plugin, got {type(inner).__name__}"
+            )
         if isinstance(inner, SakuraPrecision):
             inner = inner.inner
         self.inner = inner if inner is not None else Precision()
@@ -134,7 +137,9 @@ class SakuraPrecision(Precision):
     def post_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:  # type: ignore[override]
         return self.inner.post_backward(tensor, module)
 
-    def clip_gradients(self, optimizer: Any, clip_val: float = 0.0, gradient_clip_algorithm: Any = None) -> None:
+    def clip_gradients(
+        self, optimizer: Any, clip_val: float = 0.0, gradient_clip_algorithm: Any = None
+    ) -> None:
         if clip_val is None or clip_val <= 0:
             return
         self.rt.unscale_gradients(optimizer)
@@ -220,7 +225,9 @@ class LightningAdapter(Callback):
         if isinstance(current, SakuraPrecision):
             return
         needed = [name for call in _ALL_CALLS for name in self.rt.implements(call)]
-        precision_services = sorted({n for call in _PRECISION_CALLS for n in self.rt.implements(call)})
+        precision_services = sorted(
+            {n for call in _PRECISION_CALLS for n in self.rt.implements(call)}
+        )
         if precision_services and type(current) is not Precision:
             raise ValueError(
                 f"Trainer(precision={trainer.precision!r}) and the sakura service(s) "
@@ -295,15 +302,27 @@ class LightningAdapter(Callback):
         self._emit(ev.OnTrainStepBegin, trainer, model=pl_module, batch=batch, batch_idx=batch_idx)
 
     def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
     ) -> None:
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         self._emit(
-            ev.OnTrainStepEnd, trainer, model=pl_module, batch=batch, batch_idx=batch_idx,
-            loss=loss, outputs=outputs,
+            ev.OnTrainStepEnd,
+            trainer,
+            model=pl_module,
+            batch=batch,
+            batch_idx=batch_idx,
+            loss=loss,
+            outputs=outputs,
         )
 
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+    def on_before_backward(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
+    ) -> None:
         self._last_loss = loss
         self._emit(ev.OnBeforeBackward, trainer, model=pl_module, loss=loss)
 
@@ -311,10 +330,14 @@ class LightningAdapter(Callback):
         loss, self._last_loss = self._last_loss, None
         self._emit(ev.OnAfterBackward, trainer, model=pl_module, loss=loss)
 
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
         self._emit(ev.OnBeforeOptimizerStep, trainer, model=pl_module, optimizer=optimizer)
 
-    def on_before_zero_grad(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+    def on_before_zero_grad(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
         self._emit(ev.OnBeforeZeroGrad, trainer, model=pl_module, optimizer=optimizer)
 
     # --- validation / test / predict ---------------------------------------------------
@@ -332,18 +355,40 @@ class LightningAdapter(Callback):
         self._emit(ev.OnValidationEpochEnd, trainer, model=pl_module, metrics=_metrics(trainer))
 
     def on_validation_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        self._emit(ev.OnValidationBatchBegin, trainer, model=pl_module, batch=batch, batch_idx=batch_idx,
-                   dataloader_idx=dataloader_idx)
+        self._emit(
+            ev.OnValidationBatchBegin,
+            trainer,
+            model=pl_module,
+            batch=batch,
+            batch_idx=batch_idx,
+            dataloader_idx=dataloader_idx,
+        )
 
     def on_validation_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int,
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        self._emit(ev.OnValidationBatchEnd, trainer, model=pl_module, batch=batch, batch_idx=batch_idx,
-                   dataloader_idx=dataloader_idx, outputs=outputs)
+        self._emit(
+            ev.OnValidationBatchEnd,
+            trainer,
+            model=pl_module,
+            batch=batch,
+            batch_idx=batch_idx,
+            dataloader_idx=dataloader_idx,
+            outputs=outputs,
+        )
 
     def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._emit(ev.OnTestBegin, trainer, model=pl_module)
@@ -358,18 +403,40 @@ class LightningAdapter(Callback):
         self._emit(ev.OnTestEpochEnd, trainer, model=pl_module, metrics=_metrics(trainer))
 
     def on_test_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        self._emit(ev.OnTestBatchBegin, trainer, model=pl_module, batch=batch, batch_idx=batch_idx,
-                   dataloader_idx=dataloader_idx)
+        self._emit(
+            ev.OnTestBatchBegin,
+            trainer,
+            model=pl_module,
+            batch=batch,
+            batch_idx=batch_idx,
+            dataloader_idx=dataloader_idx,
+        )
 
     def on_test_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int,
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        self._emit(ev.OnTestBatchEnd, trainer, model=pl_module, batch=batch, batch_idx=batch_idx,
-                   dataloader_idx=dataloader_idx, outputs=outputs)
+        self._emit(
+            ev.OnTestBatchEnd,
+            trainer,
+            model=pl_module,
+            batch=batch,
+            batch_idx=batch_idx,
+            dataloader_idx=dataloader_idx,
+            outputs=outputs,
+        )
 
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._emit(ev.OnPredictBegin, trainer, model=pl_module)
@@ -384,18 +451,40 @@ class LightningAdapter(Callback):
         self._emit(ev.OnPredictEpochEnd, trainer, model=pl_module)
 
     def on_predict_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        self._emit(ev.OnPredictBatchBegin, trainer, model=pl_module, batch=batch, batch_idx=batch_idx,
-                   dataloader_idx=dataloader_idx)
+        self._emit(
+            ev.OnPredictBatchBegin,
+            trainer,
+            model=pl_module,
+            batch=batch,
+            batch_idx=batch_idx,
+            dataloader_idx=dataloader_idx,
+        )
 
     def on_predict_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int,
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        self._emit(ev.OnPredictBatchEnd, trainer, model=pl_module, batch=batch, batch_idx=batch_idx,
-                   dataloader_idx=dataloader_idx, outputs=outputs)
+        self._emit(
+            ev.OnPredictBatchEnd,
+            trainer,
+            model=pl_module,
+            batch=batch,
+            batch_idx=batch_idx,
+            dataloader_idx=dataloader_idx,
+            outputs=outputs,
+        )
 
     # --- checkpoints and errors ---------------------------------------------------------
 
@@ -411,8 +500,15 @@ class LightningAdapter(Callback):
         state = checkpoint.get(CHECKPOINT_KEY)
         if state is not None:
             self.rt.load_state_dict(state)
-        self._emit(ev.OnLoadCheckpoint, trainer, model=pl_module, checkpoint=checkpoint,
-                   path=getattr(trainer, "ckpt_path", None))
+        self._emit(
+            ev.OnLoadCheckpoint,
+            trainer,
+            model=pl_module,
+            checkpoint=checkpoint,
+            path=getattr(trainer, "ckpt_path", None),
+        )
 
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
         self._emit(ev.OnError, trainer, exception=exception, source="lightning")
