@@ -194,7 +194,9 @@ def test_unknown_service_lists_available_and_names_missing_package(
 
 
 def test_facades_raise_import_error_naming_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SAKURA_DISABLE_PLUGIN_AUTOLOAD", "1")  # as if only sakura-core were installed
+    monkeypatch.setenv(
+        "SAKURA_DISABLE_PLUGIN_AUTOLOAD", "1"
+    )  # as if only sakura-core were installed
     with pytest.raises(ImportError, match="pip install sakura-precision"):
         from sakura.services import MixedPrecision  # type: ignore[attr-defined]  # noqa: F401
     with pytest.raises(ImportError, match="pip install sakura-adapters"):

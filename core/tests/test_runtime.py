@@ -373,3 +373,30 @@ def test_runtime_cannot_start_twice_and_close_is_idempotent() -> None:
     rt.close()
     rt.close()
     assert "stopped" in repr(rt)
+
+
+def test_deliver_is_emit_for_ready_events_and_counts_survive_rebuilds() -> None:
+    rec = RecordingService("a", event_types={OnEpochEnd})
+    rt = SakuraRuntime([rec])
+    ready = OnEpochEnd(epoch=1)
+    rt.deliver(ready)
+    rt.deliver(OnTrainStepBegin())  # nobody handles it: nothing happens
+    rt.install(RecordingService("b"))  # rebuilds the dispatchers
+    rt.emit(OnEpochEnd, epoch=2)
+    assert rec.events[0] is ready and len(rec.events) == 2
+    assert rt.event_counts == {"OnEpochEnd": 2}
+
+
+def test_events_always_carry_the_runtime_rank() -> None:
+    rec = RecordingService()
+    rt = SakuraRuntime([rec], rank=1, world_size=4)
+    event = rt.emit(OnEpochEnd, rank=3)  # the runtime is the authority on rank
+    assert event is not None and (event.rank, event.world_size) == (1, 4)
+
+
+def test_handler_order_with_many_services_and_strict_failure() -> None:
+    log = Log()
+    services = [Lifecycle(f"s{i}", log, priority=-i) for i in range(12)]
+    rt = SakuraRuntime(services, strict=True)
+    rt.emit(OnEpochBegin)
+    assert log.calls == [f"epoch:s{i}" for i in reversed(range(12))]

@@ -58,6 +58,14 @@ def _capture(value: Any) -> Any:
     """What to keep of a field now (cheap, no device sync); ``_MISSING`` to drop it."""
     if isinstance(value, _SCALARS):
         return value
+    numel = getattr(value, "numel", None)  # tensors first: the common case on the step path
+    if numel is not None and callable(numel):
+        try:
+            if numel() == 1:
+                return value.detach()
+        except Exception:  # noqa: S110 - not a tensor after all
+            pass
+        return _MISSING
     if isinstance(value, Mapping):
         kept = {}
         for key, item in value.items():
@@ -69,14 +77,6 @@ def _capture(value: Any) -> Any:
         return f"{type(value).__name__}: {value}"
     if isinstance(value, Event):
         return type(value).__name__
-    numel = getattr(value, "numel", None)
-    if numel is not None and callable(numel):
-        try:
-            if numel() == 1:
-                return value.detach()
-        except Exception:  # noqa: S110 - not a tensor after all
-            pass
-        return _MISSING
     if hasattr(value, "item") and getattr(value, "shape", None) == ():  # numpy scalar
         return value.item()
     return _MISSING
