@@ -1,0 +1,603 @@
+"""``MixedPrecision``: autocast policies, fp16 dynamic loss scaling, "-true" modes and fp8.
+
+``MixedPrecision(dtype)`` builds the service for one canonical mode (see
+:mod:`sakura_precision.modes`), and only implements the hooks that mode needs, because the
+adapters decide from the implemented hooks what a framework must let a service do:
+
+==========================  ===================================================================
+mode                        class and hooks
+==========================  ===================================================================
+``"bf16-mixed"``            :class:`AutocastPrecision`: ``autocast``; ``wrap_model`` and
+                            ``on_train_begin`` only learn the model's device type
+``"16-mixed"``              :class:`LossScaledPrecision`: the above plus ``wrap_loss``,
+                            ``unscale_gradients``, ``optimizer_step``, ``state_dict``,
+                            ``load_state_dict`` (a ``torch.amp.GradScaler``)
+``"bf16-true"``,            :class:`TruePrecision`: ``wrap_model`` casts the weights in place
+``"16-true"``,              and casts floating inputs; ``autocast`` makes the dtype the
+``"32-true"``, ``"64-true"``  default for tensors created in forward (as Lightning does)
+``"fp8"``                   :class:`FP8Precision`: ``wrap_model`` turns Linear layers into
+                            :class:`~sakura_precision.fp8.Float8Linear` in place; ``autocast``
+                            is bf16 autocast for everything else
+==========================  ===================================================================
+
+So bf16 runs under the stock Hugging Face Trainer with only ``HFAdapter`` (autocast is
+applied by the callback), while fp16, which owns the optimizer step, needs
+``SakuraTrainer``; under Lightning every mode works through ``LightningAdapter``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from torch import nn
+
+from sakura import Service
+from sakura_precision._options import check_bool, check_choice, check_number, check_positive_int
+from sakura_precision.fp8 import check_fp8_hardware, convert_to_float8
+from sakura_precision.modes import Mode, resolve_mode
+
+__all__ = [
+    "AutocastPrecision",
+    "FP8Precision",
+    "LossScaledPrecision",
+    "MixedPrecision",
+    "TruePrecision",
+]
+
+_DEVICES = ("cpu", "cuda")
+_SCALER_DEFAULTS = {
+    "init_scale": 2.0**16,
+    "growth_factor": 2.0,
+    "backoff_factor": 0.5,
+    "growth_interval": 2000,
+}
+_FP8_DEFAULTS: dict[str, Any] = {"emulate": False, "fp8_filter": None}
+
+
+def _model_device_type(model: Any) -> str | None:
+    if not isinstance(model, nn.Module):
+        return None
+    for tensor in model.parameters():
+        return tensor.device.type
+    for tensor in model.buffers():
+        return tensor.device.type
+    return None
+
+
+# Pure proxies that frameworks hand out in place of the user's optimizer: (module, class,
+# attribute holding the wrapped optimizer).  They share its param_groups, so for loss scaling
+# they are the same optimizer; the scaler must see one object per step, or a clip through
+# the proxy and the step through the real optimizer would unscale twice.
+_OPTIMIZER_PROXIES = (
+    ("lightning.pytorch.core.optimizer", "LightningOptimizer", "_optimizer"),
+    ("pytorch_lightning.core.optimizer", "LightningOptimizer", "_optimizer"),
+    ("accelerate.optimizer", "AcceleratedOptimizer", "optimizer"),
+    ("sakura_adapters.hf", "_RuntimeStepOptimizer", "optimizer"),
+)
+
+
+def base_optimizer(optimizer: Any) -> Any:
+    """``optimizer`` without the framework proxies around it (Lightning's
+    ``LightningOptimizer``, accelerate's ``AcceleratedOptimizer``, SakuraTrainer's step
+    proxy).  Looked up in ``sys.modules`` only: nothing is imported."""
+    for _ in range(len(_OPTIMIZER_PROXIES) + 1):
+        for module_name, class_name, attribute in _OPTIMIZER_PROXIES:
+            module = sys.modules.get(module_name)
+            cls = getattr(module, class_name, None) if module is not None else None
+            if cls is not None and isinstance(optimizer, cls):
+                optimizer = getattr(optimizer, attribute)
+                break
+        else:
+            return optimizer
+    return optimizer
+
+
+def _is_ddp(model: Any) -> bool:
+    return isinstance(model, nn.parallel.DistributedDataParallel)
+
+
+class MixedPrecision(Service):
+    """Mixed or reduced precision for training: ``MixedPrecision(dtype="bf16")``.
+
+    Args:
+        dtype: ``"bf16"``, ``"fp16"``, ``"fp8"``, ``"auto"``, or one of Lightning's
+            precision strings (``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"``,
+            ``"16-true"``, ``"32-true"``, ``"64-true"``, ``16``, ``32``, ``64``); see
+            :mod:`sakura_precision.modes`.
+        device: the device type autocast applies to, ``"cpu"`` or ``"cuda"``.  Default:
+            learned from the model (at ``wrap_model`` and at train begin), else CUDA when
+            available, else CPU.
+        init_scale, growth_factor, backoff_factor, growth_interval: the dynamic loss
+            scaler's settings (fp16 only; torch's defaults: 2**16, 2.0, 0.5, 2000).
+        emulate: fp8 only: run the fp8 numerics emulated in fp32 where the hardware has no
+            fp8 matmul (slow; for tests).
+        fp8_filter: fp8 only: ``(name, linear) -> bool`` choosing which Linear layers
+            run in fp8 (all whose in/out features are multiples of 16 by default).
+
+    ``MixedPrecision(...)`` returns an instance of the subclass for the mode:
+    :class:`AutocastPrecision`, :class:`LossScaledPrecision`, :class:`TruePrecision` or
+    :class:`FP8Precision`.
+    """
+
+    name = "mixed_precision"
+    priority = 10
+    _KIND: str = ""
+
+    mode: Mode
+    dtype: torch.dtype
+    requested: Any
+
+    def __new__(cls, dtype: Any = "bf16", **options: Any) -> MixedPrecision:
+        if cls is MixedPrecision:
+            mode = resolve_mode(dtype)
+            if mode.loss_scaled:
+                cls = LossScaledPrecision
+            elif mode.kind == "mixed":
+                cls = AutocastPrecision
+            elif mode.kind == "true":
+                cls = TruePrecision
+            else:
+                cls = FP8Precision
+        return super().__new__(cls)
+
+    def __init__(
+        self,
+        dtype: Any = "bf16",
+        *,
+        device: str | None = None,
+        init_scale: float | None = None,
+        growth_factor: float | None = None,
+        backoff_factor: float | None = None,
+        growth_interval: int | None = None,
+        emulate: bool | None = None,
+        fp8_filter: Callable[[str, nn.Module], bool] | None = None,
+    ) -> None:
+        mode = resolve_mode(dtype)
+        expected = self._KIND
+        if expected and _kind_of(mode) != expected:
+            raise ValueError(
+                f"{type(self).__name__} implements {expected!r} modes, not dtype={dtype!r} "
+                f"({mode.name}); build it with MixedPrecision(dtype={dtype!r})"
+            )
+        self.requested = dtype
+        self.mode = mode
+        self.dtype = mode.dtype
+        if device is not None:
+            check_choice("MixedPrecision", "device", device, _DEVICES)
+        self.device = device
+        self._device_type: str | None = device
+        scaler_options = {
+            "init_scale": init_scale,
+            "growth_factor": growth_factor,
+            "backoff_factor": backoff_factor,
+            "growth_interval": growth_interval,
+        }
+        fp8_options = {"emulate": emulate, "fp8_filter": fp8_filter}
+        for group, applies, options in (
+            ("the fp16 loss scaler", mode.loss_scaled, scaler_options),
+            ("fp8", mode.kind == "fp8", fp8_options),
+        ):
+            given = [k for k, v in options.items() if v is not None]
+            if given and not applies:
+                raise ValueError(
+                    f"MixedPrecision: option(s) {given} configure {group} and do not apply to "
+                    f"dtype={dtype!r} ({mode.name})"
+                )
+        self._configure(scaler_options, fp8_options)
+
+    def _configure(self, scaler_options: dict[str, Any], fp8_options: dict[str, Any]) -> None:
+        """Subclasses validate and store their own options here."""
+
+    def __repr__(self) -> str:
+        return f"MixedPrecision({self.mode.name!r})"
+
+    # --- device bookkeeping ------------------------------------------------------------
+
+    def _learn_device(self, model: Any) -> None:
+        if self.device is not None:
+            return
+        found = _model_device_type(model)
+        if found in _DEVICES:
+            self._device_type = found
+
+    @property
+    def device_type(self) -> str:
+        """The device type autocast applies to (see the ``device`` argument)."""
+        if self._device_type is None:
+            self._device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        return self._device_type
+
+
+# Spec-string errors and help show the constructor's arguments, not __new__'s.
+MixedPrecision.__signature__ = inspect.signature(
+    MixedPrecision.__init__
+).replace(  # type: ignore[attr-defined]
+    parameters=list(inspect.signature(MixedPrecision.__init__).parameters.values())[1:]
+)
+
+
+def _kind_of(mode: Mode) -> str:
+    return "loss_scaled" if mode.loss_scaled else mode.kind
+
+
+class AutocastPrecision(MixedPrecision):
+    """``"bf16-mixed"`` (and the autocast part of fp16 and fp8): ``torch.autocast`` on the
+    model's device type with the mode's dtype; weights stay fp32."""
+
+    name = "mixed_precision"
+    _KIND = "mixed"
+    _checked_device: str | None = None
+
+    def wrap_model(self, model: Any) -> Any:
+        """Learns the model's device type; the model is returned unchanged."""
+        self._learn_device(model)
+        return model
+
+    def on_train_begin(self, event: Any) -> None:
+        self._learn_device(getattr(event, "model", None))
+
+    def autocast(self) -> AbstractContextManager[Any]:
+        device_type = self.device_type
+        if device_type != self._checked_device:
+            self._check_device(device_type)
+        return torch.autocast(device_type, dtype=self.dtype)
+
+    def _check_device(self, device_type: str) -> None:
+        if (
+            device_type == "cuda"
+            and self.dtype == torch.bfloat16
+            and not torch.cuda.is_bf16_supported()
+        ):
+            raise RuntimeError(
+                f"MixedPrecision({self.requested!r}): this GPU does not support bfloat16 "
+                f"(Ampere or newer is needed); use MixedPrecision('fp16') instead"
+            )
+        self._checked_device = device_type
+
+
+class LossScaledPrecision(AutocastPrecision):
+    """``"16-mixed"``: fp16 autocast plus a dynamic ``torch.amp.GradScaler``.
+
+    Per step: ``wrap_loss`` multiplies the loss by the scale; ``unscale_gradients`` divides
+    the gradients back and checks them for inf/NaN, at most once per optimizer and step
+    (so clipping through ``rt.clip_grad_norm_`` and the step itself never unscale twice);
+    ``optimizer_step`` lets the scaler step the optimizer, or skip the step when a gradient
+    was not finite, and always owns the step (returns True).  The scale is updated (backed
+    off after a skipped step, grown after ``growth_interval`` clean ones) once every
+    optimizer of the step has stepped: at the next ``wrap_loss``, or when the scale or the
+    state is read.  These are the operations of the hand-written ``GradScaler`` loop, in its
+    order, so results are bit-identical to it.
+
+    The scaler's state (scale, growth tracker, settings) and the count of skipped steps
+    are in ``state_dict`` and come back on resume.
+    """
+
+    name = "mixed_precision"
+    _KIND = "loss_scaled"
+
+    def _configure(self, scaler_options: dict[str, Any], fp8_options: dict[str, Any]) -> None:
+        settings = dict(_SCALER_DEFAULTS)
+        settings.update({k: v for k, v in scaler_options.items() if v is not None})
+        owner = "MixedPrecision"
+        check_number(owner, "init_scale", settings["init_scale"], above=0, accepted="> 0")
+        check_number(owner, "growth_factor", settings["growth_factor"], above=1, accepted="> 1")
+        check_number(
+            owner,
+            "backoff_factor",
+            settings["backoff_factor"],
+            above=0,
+            below=1,
+            accepted="between 0 and 1",
+        )
+        check_positive_int(owner, "growth_interval", settings["growth_interval"])
+        self._settings = settings
+        self._scaler: torch.amp.GradScaler | None = None
+        self._scaler_device: str | None = None
+        self._pending_state: Mapping[str, Any] | None = None
+        self._scaled = False  # a scaled backward happened since the last update
+        self._unscaled: set[int] = set()
+        self._stepped: set[int] = set()
+        self._skipped: torch.Tensor | None = None  # count of skipped steps, on the scale's device
+        self._last_skipped: torch.Tensor | None = None
+        self._loaded_skipped = 0
+        self.optimizer_steps = 0
+        """Optimizer steps this service owned (performed or skipped)."""
+
+    # --- the scaler ----------------------------------------------------------------------
+
+    def _make_scaler(self, device_type: str) -> torch.amp.GradScaler:
+        """A GradScaler for ``device_type``, carrying over the previous one's state (or a
+        loaded checkpoint's)."""
+        previous = self._scaler
+        state = previous.state_dict() if previous is not None else self._pending_state
+        scaler = torch.amp.GradScaler(device_type, **self._settings)
+        if state:
+            scaler.load_state_dict(dict(state))
+        self._scaler, self._scaler_device, self._pending_state = scaler, device_type, None
+        return scaler
+
+    def _flush(self) -> None:
+        """Finish the last step: update the scale once every optimizer has stepped."""
+        if (self._stepped or self._unscaled) and self._scaler is not None:
+            self._scaler.update()
+        self._scaled = False
+        self._unscaled.clear()
+        self._stepped.clear()
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """The ``torch.amp.GradScaler`` (None before the first scaled loss)."""
+        return self._scaler
+
+    @property
+    def scale(self) -> float:
+        """The current loss scale (updated for the last step first; reads the device)."""
+        if self._stepped:
+            self._flush()
+        if self._scaler is not None:
+            return float(self._scaler.get_scale())
+        if self._pending_state is not None:
+            return float(self._pending_state["scale"])
+        return float(self._settings["init_scale"])
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because a gradient was inf/NaN (reads the device)."""
+        extra = int(self._skipped.item()) if self._skipped is not None else 0
+        return self._loaded_skipped + extra
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the most recent optimizer step was skipped (reads the device)."""
+        return bool(self._last_skipped.item()) if self._last_skipped is not None else False
+
+    # --- coordinated calls ---------------------------------------------------------------
+
+    def wrap_loss(self, loss: Any) -> Any:
+        if self._stepped or self._unscaled:
+            self._flush()
+        device_type = loss.device.type
+        scaler = self._scaler
+        if scaler is None or device_type != self._scaler_device:
+            scaler = self._make_scaler(device_type)
+        self._scaled = True
+        return scaler.scale(loss)
+
+    def unscale_gradients(self, optimizer: Any) -> None:
+        optimizer = base_optimizer(optimizer)
+        key = id(optimizer)
+        scaler = self._scaler
+        if scaler is None or not self._scaled or key in self._unscaled or key in self._stepped:
+            return
+        scaler.unscale_(optimizer)
+        self._unscaled.add(key)
+
+    def optimizer_step(self, optimizer: Any) -> bool:
+        scaler = self._scaler
+        if scaler is None or not self._scaled:
+            return False  # no scaled backward since the last step: the loop steps as usual
+        optimizer = base_optimizer(optimizer)
+        key = id(optimizer)
+        if key in self._stepped:
+            raise RuntimeError(
+                "MixedPrecision('fp16'): this optimizer already stepped since the last scaled "
+                "backward; each optimizer step needs a backward through rt.scale_loss / "
+                "rt.backward first"
+            )
+        scaler.step(optimizer)
+        # GradScaler keeps the per-device inf/NaN flags of this optimizer until update();
+        # summing them (no host sync) records whether the step was skipped.
+        found = sum(scaler._found_inf_per_device(optimizer).values())
+        skipped = torch.as_tensor(found).gt(0).to(torch.int64)
+        self._last_skipped = skipped
+        self._skipped = skipped if self._skipped is None else self._skipped + skipped
+        self._stepped.add(key)
+        self.optimizer_steps += 1
+        return True
+
+    # --- state ----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._stepped:
+            self._flush()
+        if self._scaler is not None:
+            scaler_state = self._scaler.state_dict()
+        elif self._pending_state is not None:
+            scaler_state = dict(self._pending_state)
+        else:
+            scaler_state = {
+                "scale": float(self._settings["init_scale"]),
+                "growth_factor": float(self._settings["growth_factor"]),
+                "backoff_factor": float(self._settings["backoff_factor"]),
+                "growth_interval": int(self._settings["growth_interval"]),
+                "_growth_tracker": 0,
+            }
+        return {
+            "scaler": scaler_state,
+            "skipped_steps": self.skipped_steps,
+            "optimizer_steps": self.optimizer_steps,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if not isinstance(state, Mapping) or not isinstance(state.get("scaler"), Mapping):
+            raise ValueError(
+                f"MixedPrecision('fp16'): expected a state with a 'scaler' mapping (from "
+                f"state_dict()), got {state!r}"
+            )
+        missing = {"scale", "growth_factor", "backoff_factor", "growth_interval"} - set(
+            state["scaler"]
+        )
+        if missing:
+            raise ValueError(f"MixedPrecision('fp16'): the scaler state lacks {sorted(missing)}")
+        if self._scaled:
+            self._flush()
+        if self._scaler is not None:
+            self._scaler.load_state_dict(dict(state["scaler"]))
+        else:
+            self._pending_state = dict(state["scaler"])
+        self._loaded_skipped = int(state.get("skipped_steps", 0))
+        self._skipped = None
+        self._last_skipped = None
+        self.optimizer_steps = int(state.get("optimizer_steps", 0))
+
+
+class _DefaultDtype(AbstractContextManager[None]):
+    """Makes ``dtype`` the default floating dtype inside (Lightning's ``-true`` forward)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self._dtype = dtype
+        self._previous: torch.dtype | None = None
+
+    def __enter__(self) -> None:
+        self._previous = torch.get_default_dtype()
+        torch.set_default_dtype(self._dtype)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            torch.set_default_dtype(self._previous)
+
+
+def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_cast_floating(v, dtype) for v in value)
+    if isinstance(value, list):
+        return [_cast_floating(v, dtype) for v in value]
+    if isinstance(value, dict):
+        return {k: _cast_floating(v, dtype) for k, v in value.items()}
+    return value
+
+
+_STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+_MARK = "_sakura_true_precision"
+
+
+def _is_lightning_module(model: Any) -> bool:
+    for module_name in ("lightning.pytorch", "pytorch_lightning"):
+        pl = sys.modules.get(module_name)
+        if pl is not None and isinstance(model, pl.LightningModule):
+            return True
+    return False
+
+
+class TruePrecision(MixedPrecision):
+    """``"bf16-true"``, ``"16-true"``, ``"32-true"``, ``"64-true"``: everything in one dtype.
+
+    ``wrap_model`` casts the model's parameters and buffers in place and adds a forward
+    pre-hook that casts floating-point inputs to the dtype (integer inputs such as token
+    ids are left alone); for a LightningModule, whose steps receive the batch rather than
+    the model, the ``*_step`` methods cast their batch instead (Lightning's
+    ``convert_input``).  ``autocast`` makes the dtype the default dtype during the forward,
+    so tensors created there match.  No loss scaling: as in Lightning, ``"16-true"`` trains
+    without it.  Call ``rt.prepare`` before wrapping the model in DDP.
+    """
+
+    name = "mixed_precision"
+    _KIND = "true"
+
+    def wrap_model(self, model: Any) -> Any:
+        if _is_ddp(model):
+            raise ValueError(
+                f"MixedPrecision({self.requested!r}) casts the model's weights, which "
+                f"DistributedDataParallel has already bucketed; call rt.prepare(model) (or "
+                f"rt.wrap_model) before wrapping the model in DDP"
+            )
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"MixedPrecision({self.requested!r}) needs a torch.nn.Module, got "
+                f"{type(model).__name__}"
+            )
+        model.to(self.dtype)
+        if getattr(model, _MARK, None) is not None:
+            return model
+        dtype = self.dtype
+        if _is_lightning_module(model):
+            for method_name in _STEP_METHODS:
+                original = getattr(model, method_name, None)
+                if original is not None:
+                    setattr(model, method_name, _BatchCaster(original, dtype))
+        else:
+            model.register_forward_pre_hook(_InputCaster(dtype), with_kwargs=True)
+        object.__setattr__(model, _MARK, dtype)
+        return model
+
+    def autocast(self) -> AbstractContextManager[Any]:
+        return _DefaultDtype(self.dtype)
+
+
+class _InputCaster:
+    """Forward pre-hook: floating-point args and kwargs to ``dtype``."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __call__(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return _cast_floating(args, self.dtype), _cast_floating(kwargs, self.dtype)
+
+
+class _BatchCaster:
+    """A LightningModule ``*_step`` method whose batch is cast first."""
+
+    def __init__(self, method: Callable[..., Any], dtype: torch.dtype) -> None:
+        self.method = method
+        self.dtype = dtype
+        self.__wrapped__ = method
+
+    def __call__(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.method(_cast_floating(batch, self.dtype), *args, **kwargs)
+
+
+class FP8Precision(AutocastPrecision):
+    """``"fp8"``: Linear matmuls in float8 (see :mod:`sakura_precision.fp8`), everything else
+    under bf16 autocast.  Needs an NVIDIA GPU of compute capability >= 8.9; elsewhere
+    ``wrap_model`` or the first forward raises, unless ``emulate=True``."""
+
+    name = "mixed_precision"
+    _KIND = "fp8"
+
+    def _configure(self, scaler_options: dict[str, Any], fp8_options: dict[str, Any]) -> None:
+        options = dict(_FP8_DEFAULTS)
+        options.update({k: v for k, v in fp8_options.items() if v is not None})
+        self.emulate = check_bool("MixedPrecision", "emulate", options["emulate"])
+        fp8_filter = options["fp8_filter"]
+        if fp8_filter is not None and not callable(fp8_filter):
+            raise ValueError(
+                f"MixedPrecision: fp8_filter must be a callable (name, linear) -> bool or None, "
+                f"got {fp8_filter!r}"
+            )
+        self.fp8_filter = fp8_filter
+        self.converted: list[str] = []
+        """Names of the Linear layers that run in fp8."""
+
+    def wrap_model(self, model: Any) -> Any:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"MixedPrecision('fp8') needs a torch.nn.Module, got {type(model)}")
+        self._learn_device(model)
+        if not self.emulate:
+            # The model may still be on the CPU here (Lightning moves it later): check the
+            # GPU it will run on; every forward checks the device it actually runs on.
+            if torch.cuda.is_available():
+                check_fp8_hardware(torch.device("cuda", torch.cuda.current_device()))
+            else:
+                check_fp8_hardware(torch.device("cpu"))  # raises, naming the requirement
+        converted = convert_to_float8(model, emulate=self.emulate, module_filter=self.fp8_filter)
+        if not converted and not self.converted:
+            raise ValueError(
+                f"MixedPrecision('fp8'): {type(model).__name__} has no nn.Linear whose in and "
+                f"out features are multiples of 16"
+                + (" and that fp8_filter accepts" if self.fp8_filter is not None else "")
+                + "; fp8 would change nothing"
+            )
+        self.converted.extend(converted)
+        return model
+
+    def _check_device(self, device_type: str) -> None:
+        self._checked_device = device_type
