@@ -1,0 +1,628 @@
+"""AsyncCheckpoint: checkpoints written off the training thread, atomically.
+
+The training thread only copies the state into reusable host buffers (the snapshot) and
+submits the write; the dispatcher writes it (:func:`~sakura_async.checkpoint.store.
+write_checkpoint`: temporary directory, fsync, rename, directory fsync, manifest with
+checksums, retention after durability).  Failures are delivered as ``OnError`` when the
+training thread next looks, and :meth:`AsyncCheckpoint.drain` (run when the runtime exits,
+normally or after Ctrl+C) waits for every write and raises
+:class:`~sakura_async.errors.CheckpointWriteError` if any failed, so a lost checkpoint is
+never silent.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import re
+import time
+import weakref
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from sakura import (
+    OnBeforeOptimizerStep,
+    OnEpochEnd,
+    OnError,
+    OnOptimizerStep,
+    OnTrainBegin,
+    OnTrainEnd,
+    OnTrainStepEnd,
+    OnValidationEnd,
+    Service,
+)
+from sakura.events import Event
+from sakura.runtime import SakuraRuntime
+from sakura_async._model import unwrap_model
+from sakura_async._options import check_choice, check_int
+from sakura_async.checkpoint.formats import FORMATS
+from sakura_async.checkpoint.store import remove_stale_temporaries, write_checkpoint
+from sakura_async.dispatch.base import Dispatcher, TaskFuture
+from sakura_async.dispatch.resolve import resolve_dispatcher
+from sakura_async.errors import CheckpointWriteError
+from sakura_async.reporting import lightning_trainer_of
+from sakura_async.snapshot import Snapshot, SnapshotPool
+
+__all__ = ["AsyncCheckpoint", "SaveTiming", "parse_every"]
+
+logger = logging.getLogger("sakura.async")
+
+_EVERY = re.compile(
+    r"\s*(?P<n>\d+(?:\.\d+)?)?\s*(?P<unit>epochs?|steps?|s|secs?|seconds?|m|mins?|minutes?|h|hours?)\s*\Z"
+)
+_SECONDS = {"s": 1, "sec": 1, "secs": 1, "second": 1, "seconds": 1, "m": 60, "min": 60}
+_SECONDS.update({"mins": 60, "minute": 60, "minutes": 60, "h": 3600, "hour": 3600, "hours": 3600})
+_EVERY_HELP = (
+    "an int (epochs), 'best', or a string such as '2 epochs', '500 steps', '30s', '10 min', '1h'"
+)
+
+
+def parse_every(every: Any) -> tuple[str, float]:
+    """``every`` -> ``(unit, amount)`` with unit ``"epochs"``, ``"steps"``, ``"seconds"``
+    or ``"best"``."""
+    if isinstance(every, bool):
+        raise ValueError(f"every must be {_EVERY_HELP}; got {every!r}")
+    if isinstance(every, int):
+        if every < 1:
+            raise ValueError(f"every must be {_EVERY_HELP} (>= 1); got {every!r}")
+        return "epochs", every
+    if isinstance(every, str):
+        if every.strip() == "best":
+            return "best", 0
+        match = _EVERY.match(every)
+        if match:
+            amount = float(match.group("n") or 1)
+            unit = match.group("unit")
+            if unit.startswith("epoch") or unit.startswith("step"):
+                if amount != int(amount) or amount < 1:
+                    raise ValueError(f"every={every!r}: the count must be a whole number >= 1")
+                return ("epochs" if unit.startswith("epoch") else "steps"), int(amount)
+            seconds = amount * _SECONDS[unit]
+            if seconds <= 0:
+                raise ValueError(f"every={every!r}: the interval must be > 0")
+            return "seconds", seconds
+    raise ValueError(f"every must be {_EVERY_HELP}; got {every!r}")
+
+
+@dataclass
+class SaveTiming:
+    """How long one save blocked the training thread, by cause (seconds)."""
+
+    step: int
+    wait_s: float = 0.0
+    """Waiting for a free write slot (the previous writes were still running)."""
+    copy_s: float = 0.0
+    """Copying the snapshot on the training thread (and submitting the write)."""
+    barrier_s: float = 0.0
+    """``overlap=True``: waiting at the optimizer step for the background copy."""
+
+    @property
+    def blocked_s(self) -> float:
+        return self.wait_s + self.copy_s + self.barrier_s
+
+
+@dataclass
+class _Copy:
+    future: Future[Any]
+    snapshot: Snapshot
+    step: int
+    epoch: int
+    metric: float | None
+    timing: SaveTiming
+
+
+def _current_cuda_stream(snapshot: Snapshot) -> Any:
+    if any(src.is_cuda for _, src in snapshot.deferred):
+        import torch
+
+        return torch.cuda.current_stream()
+    return None
+
+
+@dataclass
+class _Write:
+    future: TaskFuture
+    snapshot: Snapshot
+    step: int
+    epoch: int
+
+
+class AsyncCheckpoint(Service):
+    """Write checkpoints on a dispatcher while training continues.
+
+    Args:
+        dir: the checkpoint root directory (created if missing).
+        every: when to save: an int (every that many epochs), ``"N epochs"``,
+            ``"N steps"``, a duration (``"30s"``, ``"10 min"``, ``"1h"``), or ``"best"`` (each
+            time ``metric`` improves).
+        metric: the metric name read from ``OnValidationEnd``/``OnEpochEnd`` metrics;
+            required for ``every="best"``, and otherwise recorded in each manifest (for
+            :func:`~sakura_async.checkpoint.store.load_best`) when known.
+        mode: ``"min"`` or ``"max"``: which direction of ``metric`` is better.
+        keep: how many of the newest checkpoints to keep (None keeps all).
+        state_provider: ``state_provider() -> state tree`` to save instead of the default
+            (``{"model": model.state_dict(), "optimizer": optimizer.state_dict()}`` plus
+            the services' state under ``"sakura"``; for ``format="lightning"``, the
+            Trainer's own checkpoint dict).
+        dispatcher: a dispatcher object (yours to close), a name/spec such as ``"thread"``
+            or ``"process"`` (the service closes it), or None for a ThreadDispatcher.
+        format: ``"torch"`` (``torch.load(weights_only=True)``-loadable), ``"safetensors"``,
+            or ``"lightning"`` (a file ``lightning.Trainer.fit(ckpt_path=...)`` resumes
+            from; needs the LightningAdapter).
+        max_pending: writes allowed in flight; a save beyond that waits for the oldest.
+        compress: a zstd level (1-22) to compress the state file, or None.
+        overlap: copy the weights and optimizer state (which only the optimizer step
+            changes) on a background thread while the next step's forward and backward run;
+            the service waits for the copy at ``OnBeforeOptimizerStep``.  Other tensors
+            (buffers such as BatchNorm statistics, which a forward pass changes) are still
+            copied at once.  Needs a loop that emits ``OnBeforeOptimizerStep`` (the
+            Lightning and Hugging Face adapters and ``DDPAdapter.step`` do); if an optimizer
+            step arrives without it, that checkpoint is discarded with an ``OnError`` and
+            overlapping is switched off.
+        ranks: ``"zero"`` (only rank 0 writes, the DDP norm) or ``"all"``.
+        name: the service name.
+    """
+
+    name = "async_checkpoint"
+    priority = 70  # after AsyncEval, whose results may make a checkpoint the best
+
+    def __init__(
+        self,
+        dir: str | os.PathLike[str],
+        every: Any = 1,
+        metric: str | None = None,
+        mode: str = "min",
+        keep: int | None = 3,
+        state_provider: Callable[[], Any] | None = None,
+        dispatcher: Any = None,
+        format: str = "torch",
+        *,
+        max_pending: int = 1,
+        compress: int | None = None,
+        overlap: bool = False,
+        ranks: str = "zero",
+        name: str | None = None,
+    ) -> None:
+        if not isinstance(dir, (str, os.PathLike)) or not os.fspath(dir):
+            raise ValueError(f"dir must be a non-empty path, got {dir!r}")
+        self.dir = os.path.abspath(os.fspath(dir))
+        self.unit, self.amount = parse_every(every)
+        self.every = every
+        if metric is not None and (not isinstance(metric, str) or not metric):
+            raise ValueError(f"metric must be a metric name (str) or None, got {metric!r}")
+        if self.unit == "best" and metric is None:
+            raise ValueError("every='best' needs metric=<name of the metric to watch>")
+        self.metric = metric
+        self.mode: str = check_choice("mode", mode, ("min", "max"))
+        self.keep: int | None = check_int("keep", keep, minimum=1, allow_none=True)
+        if state_provider is not None and not callable(state_provider):
+            raise TypeError(
+                f"state_provider must be a callable with no arguments returning the state to "
+                f"save, got {state_provider!r}"
+            )
+        self.state_provider = state_provider
+        self.format: str = check_choice("format", format, FORMATS)
+        self.max_pending: int = check_int("max_pending", max_pending, minimum=1)
+        if compress is not None and (
+            isinstance(compress, bool) or not isinstance(compress, int) or not 1 <= compress <= 22
+        ):
+            raise ValueError(
+                f"compress must be a zstd level from 1 to 22 or None, got {compress!r}"
+            )
+        if compress and format == "lightning":
+            raise ValueError(
+                "compress cannot be used with format='lightning': Lightning loads the file itself"
+            )
+        self.compress = compress
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be a bool, got {overlap!r}")
+        self.overlap = overlap
+        self.ranks: str = check_choice("ranks", ranks, ("zero", "all"))
+        if not (dispatcher is None or isinstance(dispatcher, (str, Dispatcher))):
+            resolve_dispatcher(dispatcher)  # raises the descriptive TypeError
+        if name is not None:
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"name must be a non-empty string, got {name!r}")
+            self.name = name
+        self._dispatcher_option = dispatcher
+        self.dispatcher: Dispatcher | None = (
+            dispatcher if isinstance(dispatcher, Dispatcher) else None
+        )
+        self._owns_dispatcher = False
+        self.rt: SakuraRuntime | None = None
+        self._pool: SnapshotPool | None = None
+        self._pending: deque[_Write] = deque()
+        self._held: OrderedDict[int, tuple[int, Snapshot]] = OrderedDict()
+        self._hold = 0
+        self._model: Any = None
+        self._optimizer: Any = None
+        self._best: float | None = None
+        self._last_metric: float | None = None
+        self._metric_steps: set[int] = set()
+        self._last_step = 0
+        self._last_time = time.monotonic()
+        self._unraised: list[BaseException] = []
+        self._atexit: Callable[[], None] | None = None
+        self.saved: list[str] = []
+        """Directories of the checkpoints written so far, in completion order."""
+        self.errors: list[BaseException] = []
+        """Every failed write."""
+        self.timings: list[SaveTiming] = []
+        """How long each save blocked the training thread, by cause."""
+        self._copier: ThreadPoolExecutor | None = None
+        self._copying: _Copy | None = None
+        # Subscribe only to the events this configuration needs: no per-step event is built
+        # for a service that checkpoints per epoch.
+        handlers: dict[type[Event], Callable[[Any], None]] = {
+            OnTrainBegin: self._on_train_begin,
+            OnEpochEnd: self._on_epoch_end,
+            OnValidationEnd: self._on_validation_end,
+            OnTrainEnd: self._on_train_end,
+        }
+        if self.unit in ("steps", "seconds"):
+            handlers[OnTrainStepEnd] = self._on_train_step_end
+        if overlap:
+            handlers[OnBeforeOptimizerStep] = self._on_before_optimizer_step
+            handlers[OnOptimizerStep] = self._on_optimizer_step
+        self._handlers = handlers
+        self.event_types = frozenset(handlers)
+
+    # --- lifecycle --------------------------------------------------------------------------
+
+    def setup(self, runtime: SakuraRuntime) -> None:
+        self.rt = runtime
+        if not self._active():
+            return
+        if self.dispatcher is None:
+            self.dispatcher, self._owns_dispatcher = resolve_dispatcher(self._dispatcher_option)
+        self.dispatcher.start()
+        if self.unit == "best":
+            from sakura_async.eval import AsyncEval
+
+            evals = [s for s in runtime.services if isinstance(s, AsyncEval)]
+            self._hold = max((s.max_pending for s in evals), default=0) + (1 if evals else 0)
+        self._pool = SnapshotPool(self.dispatcher.empty, max_sets=self.max_pending + self._hold + 2)
+        if self.overlap:
+            self._copier = ThreadPoolExecutor(1, thread_name_prefix="sakura-snapshot")
+        os.makedirs(self.dir, exist_ok=True)
+        for stale in remove_stale_temporaries(self.dir):
+            logger.info("sakura AsyncCheckpoint: removed %s left by an interrupted write", stale)
+        ref = weakref.ref(self)
+
+        def at_exit() -> None:  # the runtime was never closed: still finish and report
+            service = ref()
+            if service is not None and service._pending:
+                service._collect(wait=True)
+                for exc in service._unraised:
+                    logger.error("sakura AsyncCheckpoint: a checkpoint write failed: %r", exc)
+
+        self._atexit = at_exit
+        atexit.register(at_exit)
+
+    def drain(self) -> None:
+        self._barrier()
+        self._collect(wait=True)
+        if self._unraised:
+            failures, self._unraised = self._unraised, []
+            raise CheckpointWriteError(
+                f"{len(failures)} checkpoint write(s) to {self.dir} failed "
+                f"({len(self.saved)} succeeded); first error: {failures[0]!r}"
+            ) from failures[0]
+
+    def teardown(self) -> None:
+        self._barrier()
+        self._collect(wait=True)
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
+            self._copier = None
+        for _, snapshot in self._held.values():
+            snapshot.release()
+        self._held.clear()
+        if self._pool is not None:
+            self._pool.clear()
+        if self._atexit is not None:
+            atexit.unregister(self._atexit)
+            self._atexit = None
+        if self._owns_dispatcher and self.dispatcher is not None:
+            self.dispatcher.close()
+            self.dispatcher = None
+        self.rt = None
+
+    # --- events -----------------------------------------------------------------------------
+
+    def on_event(self, event: Any) -> None:
+        self._handlers[type(event)](event)
+
+    def _on_train_begin(self, event: Any) -> None:
+        self._remember(event)
+        self._last_step = event.step
+        self._last_time = time.monotonic()
+
+    def _on_before_optimizer_step(self, event: Any) -> None:
+        if self._copying is not None:
+            self._barrier()
+
+    def _on_optimizer_step(self, event: Any) -> None:
+        copy = self._copying
+        if copy is None:
+            return
+        # The weights changed while the copy may still have been reading them.
+        self._copying = None
+        self.overlap = False
+        with contextlib.suppress(BaseException):
+            copy.future.result()
+        copy.snapshot.release()
+        self._fail(
+            RuntimeError(
+                f"AsyncCheckpoint {self.name!r}: overlap=True needs the loop to emit "
+                f"OnBeforeOptimizerStep before each optimizer step; the checkpoint of step "
+                f"{copy.step} was discarded (it could mix two steps) and overlapping is now off"
+            ),
+            copy.step,
+            copy.epoch,
+        )
+
+    def _on_train_step_end(self, event: Any) -> None:
+        if self._pending and self._pending[0].future.done():
+            self._collect(wait=False)
+        unit = self.unit
+        if unit == "steps":
+            if event.step - self._last_step >= self.amount:
+                self._save(event)
+        elif unit == "seconds" and time.monotonic() - self._last_time >= self.amount:
+            self._save(event)
+
+    def _on_epoch_end(self, event: Any) -> None:
+        self._remember(event)
+        self._collect(wait=False)
+        if not self._active():
+            return
+        if event.metrics and self.metric is not None and self.metric in event.metrics:
+            self._metric(event, event.metrics[self.metric])
+        if self.unit == "epochs" and (event.epoch + 1) % self.amount == 0:
+            self._save(event)
+        elif self._hold and event.step not in self._held:
+            self._hold_snapshot(event)
+
+    def _on_validation_end(self, event: Any) -> None:
+        if self.metric is None or not event.metrics or self.metric not in event.metrics:
+            return
+        if self._active():
+            self._metric(event, event.metrics[self.metric])
+
+    def _on_train_end(self, event: Any) -> None:
+        self._barrier()
+        self._collect(wait=True)
+
+    # --- internals --------------------------------------------------------------------------
+
+    def _active(self) -> bool:
+        rt = self.rt
+        return rt is not None and (self.ranks == "all" or rt.rank == 0)
+
+    def _remember(self, event: Any) -> None:
+        model = getattr(event, "model", None)
+        if model is not None:
+            self._model = model
+        optimizer = getattr(event, "optimizer", None)
+        if optimizer is not None:
+            self._optimizer = optimizer
+
+    def _metric(self, event: Any, raw: Any) -> None:
+        try:
+            value = float(raw.item() if hasattr(raw, "item") else raw)
+        except (TypeError, ValueError):
+            return
+        self._last_metric = value
+        if self.unit != "best" or event.step in self._metric_steps:
+            return
+        self._metric_steps.add(event.step)
+        if len(self._metric_steps) > 64:
+            self._metric_steps = set(sorted(self._metric_steps)[-16:])
+        best = self._best
+        better = best is None or (value < best if self.mode == "min" else value > best)
+        if not better:
+            return
+        if event.model is not None:  # the live weights are the evaluated ones
+            self._best = value
+            self._save(event, metric=value)
+            return
+        held = self._held.pop(event.step, None)
+        if held is None:
+            exc = RuntimeError(
+                f"AsyncCheckpoint {self.name!r}: {self.metric}={value} at step {event.step} is "
+                f"the best so far, but the weights of that step are no longer held (the "
+                f"result came from an evaluation of earlier weights); install AsyncEval before "
+                f"training starts so AsyncCheckpoint holds a snapshot per epoch"
+            )
+            self._fail(exc, event.step, event.epoch)
+            return
+        self._best = value
+        epoch, snapshot = held
+        self._save(event, metric=value, snapshot=snapshot, epoch=epoch)
+
+    def _hold_snapshot(self, event: Any) -> None:
+        while len(self._held) >= self._hold:
+            _, (_, old) = self._held.popitem(last=False)
+            old.release()
+        self._held[event.step] = (event.epoch, self._ready_pool().take(self._state()))
+
+    @property
+    def blocked_s(self) -> list[float]:
+        """Seconds each save blocked the training thread: the wait for a free write slot,
+        the snapshot copy and (``overlap=True``) the wait for the background copy."""
+        return [t.blocked_s for t in self.timings]
+
+    def _ready_pool(self) -> SnapshotPool:
+        if self._pool is None:
+            raise RuntimeError(
+                f"AsyncCheckpoint {self.name!r} is not set up (install it on a running runtime)"
+            )
+        return self._pool
+
+    def _state(self) -> Any:
+        if self.state_provider is not None:
+            return self.state_provider()
+        model = self._model
+        if self.format == "lightning":
+            trainer = lightning_trainer_of(model)
+            if trainer is None:
+                raise ValueError(
+                    "format='lightning' needs a lightning.Trainer: use LightningAdapter (the "
+                    "events then carry the LightningModule), or pass a state_provider"
+                )
+            # What Trainer.save_checkpoint writes, built on this thread (it reads live state).
+            return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        if model is None:
+            raise ValueError(
+                "AsyncCheckpoint has seen no model yet (no OnTrainBegin/OnEpochEnd with a "
+                "model); pass state_provider=... to save something else"
+            )
+        state: dict[str, Any] = {"model": unwrap_model(model).state_dict()}
+        if self._optimizer is not None and hasattr(self._optimizer, "state_dict"):
+            state["optimizer"] = self._optimizer.state_dict()
+        services = self.rt.state_dict() if self.rt is not None else {}
+        if services:
+            state["sakura"] = services
+        return state
+
+    def _save(
+        self,
+        event: Any,
+        *,
+        metric: float | None = None,
+        snapshot: Snapshot | None = None,
+        epoch: int | None = None,
+    ) -> None:
+        if not self._active():
+            if snapshot is not None:
+                snapshot.release()
+            return
+        try:
+            self._barrier()
+            t0 = time.perf_counter()
+            while len(self._pending) >= self.max_pending:
+                self._collect_one()
+            t1 = time.perf_counter()
+            if snapshot is None:
+                self._remember(event)
+                defer = self._stable_tensors() if self.overlap else None
+                snapshot = self._ready_pool().take(self._state(), defer=defer)
+        except BaseException:
+            if snapshot is not None:
+                snapshot.release()
+            raise
+        timing = SaveTiming(step=event.step, wait_s=t1 - t0)
+        self.timings.append(timing)
+        epoch = event.epoch if epoch is None else epoch
+        if snapshot.deferred and self._copier is not None:
+            stream = _current_cuda_stream(snapshot)
+            future = self._copier.submit(snapshot.finish, stream)
+            self._copying = _Copy(future, snapshot, event.step, epoch, metric, timing)
+            self._last_step = event.step
+            self._last_time = time.monotonic()
+            timing.copy_s = time.perf_counter() - t1
+            return
+        self._submit_write(snapshot, event.step, epoch, metric)
+        timing.copy_s = time.perf_counter() - t1
+
+    def _barrier(self) -> None:
+        """Wait for an overlapped copy, then submit its write (before the weights change)."""
+        copy = self._copying
+        if copy is None:
+            return
+        t0 = time.perf_counter()
+        self._copying = None
+        try:
+            copy.future.result()
+        except BaseException as exc:
+            copy.snapshot.release()
+            self._fail(exc, copy.step, copy.epoch)
+            return
+        self._submit_write(copy.snapshot, copy.step, copy.epoch, copy.metric)
+        copy.timing.barrier_s += time.perf_counter() - t0
+
+    def _stable_tensors(self) -> Callable[[Any], bool]:
+        """A predicate for the tensors only the optimizer step changes: the model's
+        parameters and the optimizer's state."""
+        stable: set[tuple[int, int, Any]] = set()
+        model = unwrap_model(self._model) if self._model is not None else None
+        if model is not None and hasattr(model, "parameters"):
+            for p in model.parameters():
+                stable.add((p.data_ptr(), p.numel(), p.dtype))
+        optimizer = self._optimizer
+        for group_state in getattr(optimizer, "state", {}).values():
+            if isinstance(group_state, dict):
+                for value in group_state.values():
+                    if hasattr(value, "data_ptr") and value.numel() > 1:
+                        stable.add((value.data_ptr(), value.numel(), value.dtype))
+        return lambda t: (t.data_ptr(), t.numel(), t.dtype) in stable
+
+    def _submit_write(
+        self, snapshot: Snapshot, step: int, epoch: int, metric: float | None
+    ) -> None:
+        if metric is None:
+            metric = self._last_metric
+        record = (
+            {"name": self.metric, "value": metric, "mode": self.mode}
+            if self.metric is not None and metric is not None
+            else None
+        )
+        dispatcher = self.dispatcher
+        if dispatcher is None:
+            snapshot.release()
+            raise RuntimeError(
+                f"AsyncCheckpoint {self.name!r} is not set up (install it on a running runtime)"
+            )
+        try:
+            future = dispatcher.submit(
+                write_checkpoint,
+                self.dir,
+                snapshot.tree,
+                format=self.format,
+                step=step,
+                epoch=epoch,
+                metric=record,
+                keep=self.keep,
+                compress=self.compress,
+            )
+        except BaseException:
+            snapshot.release()
+            raise
+        self._pending.append(_Write(future, snapshot, step, epoch))
+        self._last_step = step
+        self._last_time = time.monotonic()
+
+    def _collect(self, *, wait: bool) -> None:
+        while self._pending and (wait or self._pending[0].future.done()):
+            self._collect_one()
+
+    def _collect_one(self) -> None:
+        item = self._pending[0]
+        error = item.future.exception()  # waits for the oldest write
+        self._pending.popleft()
+        item.snapshot.release()
+        if error is None:
+            self.saved.append(item.future.result())
+        else:
+            self._fail(error, item.step, item.epoch)
+
+    def _fail(self, error: BaseException, step: int, epoch: int) -> None:
+        self.errors.append(error)
+        self._unraised.append(error)
+        logger.error(
+            "sakura AsyncCheckpoint %r: checkpoint of step %d failed: %r", self.name, step, error
+        )
+        if self.rt is not None:
+            self.rt.emit(OnError, step=step, epoch=epoch, exception=error, source=self.name)
+
+    def __repr__(self) -> str:
+        return (
+            f"<AsyncCheckpoint name={self.name!r} dir={self.dir!r} every={self.every!r} "
+            f"format={self.format!r} keep={self.keep}>"
+        )

@@ -1,0 +1,164 @@
+"""ClusterDispatcher: tasks run on a Dask distributed cluster.
+
+For users who outgrow one machine: give the address of a running scheduler
+(``ClusterDispatcher("tcp://scheduler:8786")``), or let the dispatcher start a
+``LocalCluster`` bound to 127.0.0.1 (no dashboard).  Needs the ``dask`` extra::
+
+    pip install 'sakura-async[dask]'
+
+Dask serializes the task (cloudpickle; tensors through its own torch serializer), places
+it on a worker and retries it elsewhere if a worker dies (up to the scheduler's
+``allowed-failures``); a task that exhausts its retries fails with Dask's
+``KilledWorker``.  Securing a remote scheduler (TLS, authentication) is Dask's
+configuration (``distributed.security.Security``, passed as ``security=``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from sakura_async._options import check_int
+from sakura_async.dispatch.base import Dispatcher, TaskFuture
+
+__all__ = ["ClusterDispatcher"]
+
+
+def _run_timed(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    value = fn(*args, **kwargs)
+    return value, time.perf_counter() - t0
+
+
+def _import_distributed() -> Any:
+    try:
+        import distributed
+    except ImportError as exc:
+        raise ImportError(
+            "ClusterDispatcher needs Dask distributed: pip install 'sakura-async[dask]'"
+        ) from exc
+    return distributed
+
+
+class ClusterDispatcher(Dispatcher):
+    """Run tasks on a Dask distributed cluster.
+
+    Args:
+        address: a scheduler address (``"tcp://host:8786"``) or a ``distributed.Client``
+            (yours to close); None starts a ``LocalCluster`` on 127.0.0.1.
+        n_workers, threads_per_worker, processes: the LocalCluster's shape (ignored with
+            an address).
+        max_pending: unfinished tasks allowed before ``submit`` blocks.
+        security: a ``distributed.security.Security`` for a TLS scheduler.
+        cluster_kwargs: more ``LocalCluster`` options (its ``host`` stays 127.0.0.1).
+    """
+
+    kind = "cluster"
+
+    def __init__(
+        self,
+        address: Any = None,
+        *,
+        n_workers: int = 1,
+        threads_per_worker: int = 1,
+        processes: bool = True,
+        max_pending: int = 4,
+        security: Any = None,
+        cluster_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__(max_pending=max_pending)
+        if address is not None and not isinstance(address, str) and not hasattr(address, "submit"):
+            raise TypeError(
+                f"address must be a scheduler address such as 'tcp://host:8786', a "
+                f"distributed.Client, or None for a local cluster; got {address!r}"
+            )
+        self.address = address
+        self.n_workers: int = check_int("n_workers", n_workers, minimum=1)
+        self.threads_per_worker: int = check_int(
+            "threads_per_worker", threads_per_worker, minimum=1
+        )
+        if not isinstance(processes, bool):
+            raise TypeError(f"processes must be a bool, got {processes!r}")
+        self.processes = processes
+        self.security = security
+        self.cluster_kwargs = dict(cluster_kwargs or {})
+        if "host" in self.cluster_kwargs and self.cluster_kwargs["host"] != "127.0.0.1":
+            raise ValueError("cluster_kwargs['host']: a local cluster always binds to 127.0.0.1")
+        self._client: Any = None
+        self._cluster: Any = None
+        self._owns_client = False
+        self._lock = threading.Lock()
+
+    @property
+    def client(self) -> Any:
+        """The ``distributed.Client`` (connects or starts the cluster on first use)."""
+        with self._lock:
+            if self._client is None:
+                self._open()
+            return self._client
+
+    def start(self) -> ClusterDispatcher:
+        self._check_open()
+        _ = self.client
+        return self
+
+    def _open(self) -> None:
+        distributed = _import_distributed()
+        if self.address is not None and not isinstance(self.address, str):
+            self._client = self.address
+            return
+        if self.address is None:
+            options: dict[str, Any] = {
+                "host": "127.0.0.1",
+                "n_workers": self.n_workers,
+                "threads_per_worker": self.threads_per_worker,
+                "processes": self.processes,
+                "dashboard_address": None,
+            }
+            if self.security is not None:
+                options["security"] = self.security
+            options.update(self.cluster_kwargs)
+            self._cluster = distributed.LocalCluster(**options)
+            self._client = distributed.Client(self._cluster, security=self.security)
+        else:
+            self._client = distributed.Client(self.address, security=self.security)
+        self._owns_client = True
+
+    def _submit(
+        self,
+        future: TaskFuture,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        dask_future = self.client.submit(_run_timed, fn, args, kwargs, pure=False)
+        future._mark_submitted()
+
+        def done(f: Any) -> None:
+            try:
+                value, run_s = f.result()
+            except BaseException as exc:
+                future._finish(error=exc)
+                return
+            future._finish(result=value, run_s=run_s)
+
+        # Dask runs callbacks on its event loop; result() of a finished future is immediate
+        # there, but a slow one would stall the loop, so hand it to a thread.
+        dask_future.add_done_callback(
+            lambda f: threading.Thread(target=done, args=(f,), daemon=True).start()
+        )
+
+    def _close(self, wait: bool) -> None:
+        if self._owns_client and self._client is not None:
+            self._client.close()
+        if self._cluster is not None:
+            self._cluster.close()
+        self._client = self._cluster = None
+
+    def __repr__(self) -> str:
+        where = self.address if isinstance(self.address, str) else "local cluster"
+        return f"<ClusterDispatcher {where} {'closed' if self.closed else f'{self.pending}/{self.max_pending} pending'}>"

@@ -1,0 +1,366 @@
+"""AsyncEval: evaluate each epoch's weights on a dispatcher while the next epoch trains.
+
+At the end of an epoch (every ``every`` epochs) the service copies the model's
+``state_dict`` into reusable host buffers (:mod:`sakura_async.snapshot`) on the training
+thread, then submits ``eval_fn(epoch, task)`` to its dispatcher and returns.  ``task`` is an
+:class:`EvalTask`: ``task.state_dict`` holds exactly that epoch's weights,
+``task.payload`` what you passed as ``eval_payload`` (your validation data, a model to load
+the weights into...).  A typical ``eval_fn``::
+
+    def eval_fn(epoch, task):
+        model = task.load_into(task.payload["model"])  # the snapshot, loaded into a copy
+        with torch.no_grad():
+            loss = F.cross_entropy(model(task.payload["x"]), task.payload["y"])
+        return {"val_loss": loss.item()}
+
+Results come back on the training thread, in epoch order, as ``OnValidationEnd`` events
+(``epoch`` and ``step`` of the evaluated weights, ``model=None`` because the live model has
+moved on), and reach the framework's metrics (see :mod:`sakura_async.reporting`).  At most
+``max_pending`` evaluations are in flight: at an epoch end with that many unfinished, the
+training thread waits for the oldest.  Training end (``OnTrainEnd``) and the runtime's
+``drain`` wait for every evaluation, so the last one is never lost.  A failed evaluation
+(an exception in ``eval_fn``, a crashed worker) is delivered as ``OnError`` and training
+goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from sakura import OnError, OnValidationEnd, Service
+from sakura.runtime import SakuraRuntime
+from sakura_async._model import unwrap_model
+from sakura_async._options import check_choice, check_int
+from sakura_async.dispatch.base import Dispatcher, TaskFuture
+from sakura_async.dispatch.resolve import resolve_dispatcher
+from sakura_async.reporting import (
+    Reporter,
+    check_report_to,
+    lightning_trainer_of,
+    make_reporter,
+    report_lightning,
+)
+from sakura_async.snapshot import Snapshot, SnapshotPool
+
+__all__ = ["AsyncEval", "EvalResult", "EvalTask", "run_eval"]
+
+logger = logging.getLogger("sakura.async")
+
+
+@dataclass(frozen=True)
+class EvalTask:
+    """What ``eval_fn(epoch, task)`` receives."""
+
+    epoch: int
+    """Epoch whose end the weights come from (counted from 0)."""
+    step: int
+    """Global optimizer step at that moment."""
+    state_dict: Mapping[str, Any]
+    """A copy of the model's ``state_dict`` at that moment (host tensors)."""
+    payload: Any = None
+    """The service's ``eval_payload``.  Containers and values are as given; with a process
+    dispatcher its tensors are shared-memory copies made once at setup (see
+    :meth:`~sakura_async.dispatch.base.Dispatcher.stage`)."""
+
+    def load_into(self, model: Any, *, strict: bool = True) -> Any:
+        """Load the snapshot into ``model`` (``load_state_dict``), put it in eval mode and
+        return it."""
+        model.load_state_dict(self.state_dict, strict=strict)
+        model.eval()
+        return model
+
+
+@dataclass
+class EvalResult:
+    """One evaluation, as recorded in :attr:`AsyncEval.history`."""
+
+    epoch: int
+    step: int
+    metrics: dict[str, Any] | None = None
+    error: BaseException | None = None
+    timings: Any = None
+
+
+def run_eval(eval_fn: Callable[[int, EvalTask], Any], task: EvalTask) -> dict[str, Any]:
+    """What runs on the dispatcher: ``eval_fn(task.epoch, task)``, checked to return a
+    mapping of metric names to values (one-element tensors become Python numbers)."""
+    result = eval_fn(task.epoch, task)
+    if not isinstance(result, Mapping):
+        raise TypeError(
+            f"eval_fn must return a mapping of metric name -> value (e.g. {{'val_loss': 0.3}}), "
+            f"got {type(result).__name__}"
+        )
+    metrics: dict[str, Any] = {}
+    for key, value in result.items():
+        if not isinstance(key, str):
+            raise TypeError(f"eval_fn returned a non-string metric name {key!r}")
+        if hasattr(value, "numel") and hasattr(value, "item") and value.numel() == 1:
+            value = value.item()
+        metrics[key] = value
+    return metrics
+
+
+@dataclass
+class _Pending:
+    epoch: int
+    step: int
+    future: TaskFuture
+    snapshot: Snapshot
+    reporter: Reporter | None = field(default=None)
+
+
+class AsyncEval(Service):
+    """Evaluate each epoch's weights off the training thread.
+
+    Args:
+        eval_fn: ``eval_fn(epoch, task) -> {"metric": value, ...}``; ``task`` is an
+            :class:`EvalTask`.  With a process, remote or cluster dispatcher it is sent with
+            cloudpickle (functions of ``__main__`` travel by value; functions of your own
+            modules must be importable by the worker, or registered with
+            ``cloudpickle.register_pickle_by_value``).  May be given later with
+            :meth:`configure` (services built from a spec string), but before training.
+        eval_payload: passed to ``eval_fn`` as ``task.payload``.
+        dispatcher: a dispatcher object (yours to close), a dispatcher name or spec
+            (``"thread"``, ``"process"``, ``"remote:uri=..."``; the service closes it), or
+            None for a :class:`~sakura_async.dispatch.ThreadDispatcher`.
+        every: evaluate at the end of every ``every``-th epoch.
+        max_pending: evaluations allowed in flight before the training thread waits.
+        state_provider: ``state_provider(model) -> state_dict`` to snapshot instead of
+            ``model.state_dict()`` (wrappers such as DDP and ``torch.compile`` are removed
+            first).
+        report_to: ``"auto"`` (Lightning's trainer from the model, a Hugging Face Trainer
+            given with :meth:`attach`), ``None``/``"none"``, a ``lightning.Trainer``, a
+            ``transformers.Trainer``/``TrainerState``, or a callable
+            ``report(metrics, epoch, step)``.
+        ranks: ``"zero"`` to evaluate on rank 0 only (DDP replicas hold the same weights),
+            ``"all"`` to evaluate on every rank.
+        name: the service name (to install two of them).
+    """
+
+    name = "async_eval"
+    priority = 60
+
+    def __init__(
+        self,
+        eval_fn: Callable[[int, EvalTask], Any] | None = None,
+        eval_payload: Any = None,
+        dispatcher: Any = None,
+        *,
+        every: int = 1,
+        max_pending: int = 1,
+        state_provider: Callable[[Any], Any] | None = None,
+        report_to: Any = "auto",
+        ranks: str = "zero",
+        name: str | None = None,
+    ) -> None:
+        if eval_fn is not None and not callable(eval_fn):
+            raise TypeError(f"eval_fn must be callable eval_fn(epoch, task), got {eval_fn!r}")
+        if state_provider is not None and not callable(state_provider):
+            raise TypeError(
+                f"state_provider must be callable state_provider(model) -> state_dict, got "
+                f"{state_provider!r}"
+            )
+        if not (dispatcher is None or isinstance(dispatcher, (str, Dispatcher))):
+            resolve_dispatcher(dispatcher)  # raises the descriptive TypeError
+        if name is not None:
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"name must be a non-empty string, got {name!r}")
+            self.name = name
+        self.eval_fn = eval_fn
+        self.eval_payload = eval_payload
+        self.every: int = check_int("every", every, minimum=1)
+        self.max_pending: int = check_int("max_pending", max_pending, minimum=1)
+        self.state_provider = state_provider
+        self.report_to = check_report_to(report_to)
+        self.ranks: str = check_choice("ranks", ranks, ("zero", "all"))
+        self._dispatcher_option = dispatcher
+        self.dispatcher: Dispatcher | None = (
+            dispatcher if isinstance(dispatcher, Dispatcher) else None
+        )
+        self._owns_dispatcher = False
+        self.rt: SakuraRuntime | None = None
+        self._pool: SnapshotPool | None = None
+        self._pending: deque[_Pending] = deque()
+        self._lightning: Any = None
+        self._hf: Any = None
+        self._payload: Any = None
+        self.history: list[EvalResult] = []
+        """Every delivered evaluation, in epoch order."""
+        self.errors: list[EvalResult] = []
+        """The evaluations that failed."""
+
+    # --- configuration --------------------------------------------------------------------
+
+    def configure(
+        self, eval_fn: Callable[[int, EvalTask], Any], eval_payload: Any = None
+    ) -> AsyncEval:
+        """Give the evaluation function (and payload) to a service built without one, e.g.
+        from the spec string ``async_eval:thread``.  Returns the service."""
+        if not callable(eval_fn):
+            raise TypeError(f"eval_fn must be callable eval_fn(epoch, task), got {eval_fn!r}")
+        self.eval_fn = eval_fn
+        self.eval_payload = eval_payload
+        if self._pool is not None and self.dispatcher is not None:  # already set up
+            self._payload = self.dispatcher.stage(eval_payload)
+        return self
+
+    def attach(self, trainer: Any) -> AsyncEval:
+        """Report results to ``trainer`` (a Hugging Face Trainer or TrainerState, a
+        Lightning Trainer); same as ``report_to=trainer``."""
+        self.report_to = check_report_to(trainer)
+        return self
+
+    # --- lifecycle --------------------------------------------------------------------------
+
+    def setup(self, runtime: SakuraRuntime) -> None:
+        if self.eval_fn is None:
+            raise ValueError(
+                f"AsyncEval {self.name!r} has no eval_fn: a spec string cannot carry a Python "
+                f"function unless it names one (async_eval:thread,fn=package.module:function); "
+                f"pass AsyncEval(eval_fn=...) or call .configure(eval_fn, eval_payload) before "
+                f"installing it"
+            )
+        self.rt = runtime
+        if self.dispatcher is None:
+            self.dispatcher, self._owns_dispatcher = resolve_dispatcher(self._dispatcher_option)
+        if not self._active():
+            return
+        self.dispatcher.start()  # a worker process starts while the first epoch trains
+        self._pool = SnapshotPool(self.dispatcher.empty, max_sets=self.max_pending)
+        # The payload goes with every evaluation: place it once where tasks get it cheaply.
+        self._payload = self.dispatcher.stage(self.eval_payload)
+
+    def drain(self) -> None:
+        self._deliver(wait=True)
+
+    def teardown(self) -> None:
+        self._deliver(wait=True)
+        if self._pool is not None:
+            self._pool.clear()
+        self._payload = None
+        if self._owns_dispatcher and self.dispatcher is not None:
+            self.dispatcher.close()
+            self.dispatcher = None
+        self.rt = None
+
+    # --- events ---------------------------------------------------------------------------
+
+    def on_train_begin(self, event: Any) -> None:
+        self._remember_trainer(event.model)
+        # Forward-compatible: an adapter that puts its framework object on the event (a
+        # ``trainer`` field) lets "auto" report to a Hugging Face Trainer without attach().
+        framework = getattr(event, "trainer", None)
+        if framework is not None and self.report_to == "auto" and self._hf is None:
+            from sakura_async.reporting import is_hf_target
+
+            if is_hf_target(framework):
+                self._hf = framework
+
+    def on_epoch_end(self, event: Any) -> None:
+        self._deliver(wait=False)
+        if not self._active() or (event.epoch + 1) % self.every:
+            return
+        self._remember_trainer(event.model)
+        while len(self._pending) >= self.max_pending:
+            self._deliver_one(wait=True)
+        self._submit(event)
+
+    def on_train_end(self, event: Any) -> None:
+        self._deliver(wait=True)
+
+    # --- internals --------------------------------------------------------------------------
+
+    def _active(self) -> bool:
+        rt = self.rt
+        return rt is not None and (self.ranks == "all" or rt.rank == 0)
+
+    def _remember_trainer(self, model: Any) -> None:
+        if model is not None and self.report_to == "auto":
+            trainer = lightning_trainer_of(model)
+            if trainer is not None:
+                self._lightning = trainer
+
+    def _submit(self, event: Any) -> None:
+        model = event.model
+        if model is None and self.state_provider is None:
+            raise ValueError(
+                f"{type(event).__name__} carries no model; AsyncEval needs the model to snapshot "
+                f"(or a state_provider)"
+            )
+        target = unwrap_model(model) if model is not None else None
+        state = self.state_provider(target) if self.state_provider else target.state_dict()
+        if self._pool is None or self.dispatcher is None:
+            raise RuntimeError(
+                f"AsyncEval {self.name!r} is not set up (install it on a running runtime)"
+            )
+        snapshot = self._pool.take(state)
+        task = EvalTask(
+            epoch=event.epoch, step=event.step, state_dict=snapshot.tree, payload=self._payload
+        )
+        try:
+            future = self.dispatcher.submit(run_eval, self.eval_fn, task)
+        except BaseException:
+            snapshot.release()
+            raise
+        self._pending.append(_Pending(event.epoch, event.step, future, snapshot, self._reporter()))
+
+    def _reporter(self) -> Reporter | None:
+        if self.report_to == "auto":
+            trainer = self._lightning
+            if trainer is not None:
+                return lambda m, e, s: report_lightning(trainer, m, e, s)
+            return make_reporter(self._hf) if self._hf is not None else None
+        return make_reporter(self.report_to)
+
+    def _deliver(self, *, wait: bool) -> None:
+        while self._pending and (wait or self._pending[0].future.done()):
+            self._deliver_one(wait=True)
+
+    def _deliver_one(self, *, wait: bool) -> None:
+        item = self._pending[0]
+        if not wait and not item.future.done():
+            return
+        # Waits; a KeyboardInterrupt here leaves the item pending for drain() to deliver.
+        error = item.future.exception()
+        self._pending.popleft()
+        item.snapshot.release()
+        rt = self.rt
+        if error is not None:
+            result = EvalResult(item.epoch, item.step, None, error, item.future.timings)
+            self.history.append(result)
+            self.errors.append(result)
+            logger.error(
+                "sakura AsyncEval %r: evaluation of epoch %d (step %d) failed: %r",
+                self.name,
+                item.epoch,
+                item.step,
+                error,
+            )
+            if rt is not None:
+                rt.emit(
+                    OnError, step=item.step, epoch=item.epoch, exception=error, source=self.name
+                )
+            return
+        metrics = item.future.result()
+        self.history.append(EvalResult(item.epoch, item.step, metrics, None, item.future.timings))
+        if item.reporter is not None:
+            try:
+                item.reporter(metrics, item.epoch, item.step)
+            except Exception as exc:
+                logger.error("sakura AsyncEval %r: reporting failed", self.name, exc_info=exc)
+                if rt is not None:
+                    rt.emit(
+                        OnError, step=item.step, epoch=item.epoch, exception=exc, source=self.name
+                    )
+        if rt is not None:
+            rt.emit(OnValidationEnd, step=item.step, epoch=item.epoch, model=None, metrics=metrics)
+
+    def __repr__(self) -> str:
+        return (
+            f"<AsyncEval name={self.name!r} every={self.every} max_pending={self.max_pending} "
+            f"dispatcher={self.dispatcher or self._dispatcher_option!r}>"
+        )

@@ -1,0 +1,170 @@
+"""AsyncEval on the in-process dispatchers, through a raw loop's events."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+from sakura_async import AsyncEval, EvalTask
+from sakura_async.dispatch import InThreadDispatcher, ThreadDispatcher
+
+from sakura import OnError, OnValidationEnd, SakuraRuntime
+from sakura.testing import RecordingService
+
+
+def results_of(rec: RecordingService) -> list[tuple[int, int, dict[str, Any]]]:
+    return [(e.epoch, e.step, dict(e.metrics)) for e in rec.of(OnValidationEnd)]
+
+
+@pytest.mark.parametrize("make", [InThreadDispatcher, ThreadDispatcher])
+def test_each_epoch_gets_exactly_the_synchronous_metrics(world: Any, make: type) -> None:
+    rec = RecordingService(event_types={OnValidationEnd, OnError})
+    with make() as dispatcher, SakuraRuntime([rec], strict=True) as rt:
+        ae = rt.install(AsyncEval(world.eval_fn, world.val_payload(), dispatcher=dispatcher))
+        _, reference = world.train(rt, epochs=3)
+    steps = [world.STEPS_PER_EPOCH * (e + 1) for e in range(3)]
+    assert results_of(rec) == [(e, steps[e], reference[e]) for e in range(3)]  # bit-identical
+    assert [r.metrics for r in ae.history] == reference
+    assert rec.of(OnError) == []
+
+
+def test_snapshot_is_that_epochs_weights_even_while_training_moves_on(world: Any) -> None:
+    """The evaluation of epoch 0 only starts after epoch 1 changed the live weights."""
+    go = threading.Event()
+
+    def slow_eval(epoch: int, task: EvalTask) -> dict[str, float]:
+        if epoch == 0:
+            assert go.wait(30)
+        return world.eval_fn(epoch, task)
+
+    def after_epoch(epoch: int, model: Any) -> None:
+        if epoch == 1:
+            go.set()
+
+    rec = RecordingService(event_types={OnValidationEnd})
+    with SakuraRuntime([rec], strict=True) as rt:
+        rt.install(AsyncEval(slow_eval, world.val_payload(), dispatcher="thread", max_pending=2))
+        _, reference = world.train(rt, epochs=3, after_epoch=after_epoch)
+    assert [dict(e.metrics) for e in rec.of(OnValidationEnd)] == reference
+
+
+def test_results_arrive_in_epoch_order_and_pending_is_bounded(world: Any) -> None:
+    observed: list[int] = []
+
+    class Probe:
+        name = "probe"
+        priority = 90  # after AsyncEval
+
+        def on_epoch_end(self, event: Any) -> None:
+            observed.append(len(ae._pending))
+
+    rec = RecordingService(event_types={OnValidationEnd})
+    with SakuraRuntime([rec, Probe()], strict=True) as rt:
+        ae = rt.install(
+            AsyncEval(
+                world.eval_fn,
+                world.val_payload(),
+                dispatcher=ThreadDispatcher(threads=2),
+                max_pending=2,
+            )
+        )
+        world.train(rt, epochs=5)
+    assert [e.epoch for e in rec.of(OnValidationEnd)] == [0, 1, 2, 3, 4]
+    assert max(observed) <= 2
+    assert ae._pending == type(ae._pending)()
+
+
+def test_every_n_epochs(world: Any) -> None:
+    rec = RecordingService(event_types={OnValidationEnd})
+    with SakuraRuntime([rec], strict=True) as rt:
+        rt.install(AsyncEval(world.eval_fn, world.val_payload(), dispatcher="inthread", every=2))
+        world.train(rt, epochs=5)
+    assert [e.epoch for e in rec.of(OnValidationEnd)] == [1, 3]
+
+
+def test_a_failing_evaluation_is_an_on_error_and_training_goes_on(world: Any) -> None:
+    def flaky(epoch: int, task: EvalTask) -> dict[str, float]:
+        if epoch == 1:
+            raise RuntimeError("eval exploded")
+        return world.eval_fn(epoch, task)
+
+    rec = RecordingService(event_types={OnValidationEnd, OnError})
+    with SakuraRuntime([rec]) as rt:
+        ae = rt.install(AsyncEval(flaky, world.val_payload(), dispatcher="thread"))
+        _, reference = world.train(rt, epochs=3)
+    assert [e.epoch for e in rec.of(OnValidationEnd)] == [0, 2]
+    (error,) = rec.of(OnError)
+    assert error.source == "async_eval" and error.epoch == 1
+    assert "eval exploded" in str(error.exception)
+    assert [r.epoch for r in ae.errors] == [1]
+    assert dict(rec.of(OnValidationEnd)[1].metrics) == reference[2]
+
+
+def test_eval_fn_must_return_a_mapping(world: Any) -> None:
+    rec = RecordingService(event_types={OnError})
+    with SakuraRuntime([rec]) as rt:
+        rt.install(AsyncEval(lambda epoch, task: 0.5, dispatcher="inthread"))
+        world.train(rt, epochs=1)
+    (error,) = rec.of(OnError)
+    assert "eval_fn must return a mapping" in str(error.exception)
+
+
+def test_the_last_evaluation_is_drained_when_the_runtime_exits(world: Any) -> None:
+    """No OnTrainEnd (the loop was interrupted): the runtime's drain still delivers."""
+    rec = RecordingService(event_types={OnValidationEnd})
+    release = threading.Event()
+
+    def slow(epoch: int, task: EvalTask) -> dict[str, float]:
+        release.wait(30)
+        return world.eval_fn(epoch, task)
+
+    from sakura import OnEpochEnd
+
+    with SakuraRuntime([rec], strict=True) as rt:
+        rt.install(AsyncEval(slow, world.val_payload(), dispatcher="thread"))
+        model = world.make_model()
+        rt.emit(OnEpochEnd, epoch=0, step=4, model=model)
+        release.set()
+    assert [e.epoch for e in rec.of(OnValidationEnd)] == [0]
+
+
+def test_without_eval_fn_setup_explains_what_to_do() -> None:
+    ae = AsyncEval(dispatcher="inthread")
+    with pytest.raises(ValueError, match=r"no eval_fn.*configure"):
+        SakuraRuntime([ae]).start()
+
+
+def test_configure_supplies_the_eval_fn_later(world: Any) -> None:
+    rec = RecordingService(event_types={OnValidationEnd})
+    ae = AsyncEval(dispatcher="inthread").configure(world.eval_fn, world.val_payload())
+    with SakuraRuntime([rec, ae], strict=True) as rt:
+        _, reference = world.train(rt, epochs=1)
+    assert [dict(e.metrics) for e in rec.of(OnValidationEnd)] == reference
+
+
+def test_only_rank_zero_evaluates_by_default(world: Any) -> None:
+    rec = RecordingService(event_types={OnValidationEnd})
+    with SakuraRuntime([rec], rank=1, world_size=2, strict=True) as rt:
+        rt.install(AsyncEval(world.eval_fn, world.val_payload(), dispatcher="inthread"))
+        world.train(rt, epochs=2)
+    assert rec.of(OnValidationEnd) == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"every": 0}, "every must be an int >= 1, got 0"),
+        ({"max_pending": 0}, "max_pending must be an int >= 1, got 0"),
+        ({"ranks": "one"}, "ranks must be one of 'zero', 'all', got 'one'"),
+        ({"report_to": 3}, "report_to must be 'auto'"),
+        ({"eval_fn": 3}, "eval_fn must be callable"),
+        ({"dispatcher": 3}, "dispatcher must be a sakura_async dispatcher"),
+        ({"state_provider": 1}, "state_provider must be callable"),
+    ],
+)
+def test_options_are_validated(kwargs: dict, match: str) -> None:
+    options = {"eval_fn": lambda e, t: {}}
+    options.update(kwargs)
+    with pytest.raises((ValueError, TypeError), match=match):
+        AsyncEval(**options)

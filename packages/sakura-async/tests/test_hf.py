@@ -1,0 +1,130 @@
+"""AsyncEval and AsyncCheckpoint under a real transformers.Trainer (CPU, tiny model)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import torch
+import torch.nn.functional as F
+from sakura_adapters.hf import HFAdapter
+from sakura_async import AsyncCheckpoint, AsyncEval, load_latest
+from sakura_async.checkpoint import find_checkpoints
+from torch import nn
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from sakura import OnValidationEnd, SakuraRuntime
+from sakura.testing import RecordingService
+
+N_TRAIN, BATCH, EPOCHS = 16, 4, 3
+STEPS = N_TRAIN // BATCH
+
+
+class TinyRegressor(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, Any]:
+        pred = self.net(x).squeeze(-1)
+        loss = F.mse_loss(pred, labels) if labels is not None else None
+        return {"loss": loss, "logits": pred}
+
+
+def make_data(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=g)
+    y = 3.0 * x[:, 0] - 2.0 * x[:, 1] + 0.5
+    return [{"x": x[i], "labels": y[i]} for i in range(n)]
+
+
+VAL = make_data(8, seed=2)
+
+
+def val_loss(model: nn.Module) -> float:
+    x = torch.stack([d["x"] for d in VAL])
+    y = torch.stack([d["labels"] for d in VAL])
+    with torch.no_grad():
+        return F.mse_loss(model(x)["logits"], y).item()
+
+
+def eval_fn(epoch: int, task: Any) -> dict[str, float]:
+    return {"async_loss": val_loss(task.load_into(TinyRegressor()))}
+
+
+class SyncReference(TrainerCallback):
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def on_epoch_end(
+        self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any
+    ) -> None:
+        self.values.append(val_loss(model))
+
+
+def make_trainer(rt: SakuraRuntime, tmp_path: Path, reference: TrainerCallback) -> Trainer:
+    torch.manual_seed(0)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=BATCH,
+        num_train_epochs=EPOCHS,
+        learning_rate=0.05,
+        lr_scheduler_type="constant",
+        logging_strategy="epoch",
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
+    return Trainer(
+        model=TinyRegressor(),
+        args=args,
+        train_dataset=make_data(N_TRAIN, seed=1),
+        callbacks=[reference, HFAdapter(rt)],
+    )
+
+
+def test_async_eval_and_checkpoint_under_the_hf_trainer(tmp_path: Path) -> None:
+    reference = SyncReference()
+    rec = RecordingService(event_types={OnValidationEnd})
+    with SakuraRuntime([rec], strict=True) as rt:
+        ae = rt.install(AsyncEval(eval_fn, dispatcher="thread"))
+        ckpt = rt.install(AsyncCheckpoint(tmp_path / "ckpt", every=1, keep=2, dispatcher="thread"))
+        trainer = make_trainer(rt, tmp_path, reference)
+        ae.attach(trainer)
+        trainer.train()
+    assert [e.metrics["async_loss"] for e in rec.of(OnValidationEnd)] == reference.values
+    entries = [h for h in trainer.state.log_history if "async_loss" in h]
+    assert [(h["epoch"], h["step"], h["async_loss"]) for h in entries] == [
+        (float(e + 1), STEPS * (e + 1), reference.values[e]) for e in range(EPOCHS)
+    ]
+    assert [c.step for c in find_checkpoints(tmp_path / "ckpt")] == [STEPS * 2, STEPS * 3]
+    latest = load_latest(tmp_path / "ckpt")
+    assert latest is not None and not ckpt.errors
+    final = {k: v.detach() for k, v in trainer.model.state_dict().items()}
+    assert all(torch.equal(latest.state["model"][k], final[k]) for k in final)
+
+
+def test_auto_reporting_uses_a_trainer_state_carried_by_the_train_begin_event() -> None:
+    """Forward compatibility: an adapter that puts the TrainerState on OnTrainBegin (a
+    ``trainer`` field) makes report_to="auto" reach the log history without attach()."""
+    from types import SimpleNamespace
+
+    from transformers import TrainerState
+
+    from sakura import OnEpochEnd, OnTrainEnd
+
+    state = TrainerState()
+    model = TinyRegressor()
+    with SakuraRuntime(strict=True) as rt:
+        ae = rt.install(AsyncEval(eval_fn, dispatcher="inthread"))
+        ae.on_train_begin(SimpleNamespace(model=model, trainer=state))
+        rt.emit(OnEpochEnd, epoch=0, step=4, model=model)
+        rt.emit(OnTrainEnd, epoch=0, step=4, model=model)
+    assert state.log_history == [{"async_loss": val_loss(model), "epoch": 1.0, "step": 4}]

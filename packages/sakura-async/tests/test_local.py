@@ -1,0 +1,183 @@
+"""LocalDispatcher: an auto-spawned sakura-worker process, tensors through shared memory."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import psutil
+import pytest
+import torch
+from sakura_async import AsyncCheckpoint, AsyncEval, EvalTask, load_latest
+from sakura_async.dispatch import LocalDispatcher
+from sakura_async.errors import WorkerCrashed
+
+from sakura import OnError, OnValidationEnd, SakuraRuntime
+from sakura.testing import RecordingService
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.fixture(scope="module")
+def local() -> Iterator[LocalDispatcher]:
+    """One worker for the module's tests (each spawn imports torch: seconds)."""
+    with LocalDispatcher(threads=1) as dispatcher:
+        dispatcher.start()
+        yield dispatcher
+
+
+def worker_children() -> set[int]:
+    found = set()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if (
+                "sakura_async.worker" in " ".join(p.cmdline())
+                and p.status() != psutil.STATUS_ZOMBIE
+            ):
+                found.add(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def describe(x: torch.Tensor, extra: Any = None) -> dict[str, Any]:
+    return {
+        "pid": os.getpid(),
+        "sum": float(x.double().sum()),
+        "dtype": str(x.dtype),
+        "extra": extra,
+    }
+
+
+def test_runs_in_another_interpreter_and_round_trips_values(local: LocalDispatcher) -> None:
+    info = local.wait_ready()
+    assert info["pid"] == local.worker_pid != os.getpid()
+    shared = local.empty((3, 4), torch.bfloat16)
+    shared.fill_(2.0)
+    plain = torch.arange(10, dtype=torch.int64)[::2]  # not contiguous, not shared: copied
+    result = local.submit(describe, shared, extra={"t": plain, "s": "x", "n": (1, 2.5)}).result(60)
+    assert result["pid"] == local.worker_pid
+    assert result["sum"] == 24.0 and result["dtype"] == "torch.bfloat16"
+    assert torch.equal(result["extra"]["t"], plain) and result["extra"]["n"] == (1, 2.5)
+    assert local.submit(describe, torch.zeros(0)).result(60)["sum"] == 0.0
+
+
+def test_a_task_exception_comes_back_with_the_worker_traceback(local: LocalDispatcher) -> None:
+    def explode() -> None:
+        raise KeyError("missing key in the worker")
+
+    future = local.submit(explode)
+    with pytest.raises(KeyError, match="missing key in the worker") as info:
+        future.result(60)
+    if sys.version_info >= (3, 11):
+        assert any("raised in sakura-worker" in note for note in info.value.__notes__)
+
+
+def test_async_eval_gives_exactly_the_synchronous_metrics(
+    world: Any, local: LocalDispatcher
+) -> None:
+    rec = RecordingService(event_types={OnValidationEnd, OnError})
+    with SakuraRuntime([rec], strict=True) as rt:
+        rt.install(AsyncEval(world.eval_fn, world.val_payload(), dispatcher=local))
+        _, reference = world.train(rt, epochs=3)
+    assert [dict(e.metrics) for e in rec.of(OnValidationEnd)] == reference  # bit-identical
+    assert rec.of(OnError) == []
+
+
+def test_async_checkpoint_writes_from_the_worker(
+    world: Any, local: LocalDispatcher, tmp_path: Path
+) -> None:
+    with SakuraRuntime(strict=True) as rt:
+        ckpt = rt.install(AsyncCheckpoint(tmp_path, every=1, keep=1, dispatcher=local))
+        model, _ = world.train(rt, epochs=2)
+    latest = load_latest(tmp_path)
+    assert latest is not None and latest.step == 2 * world.STEPS_PER_EPOCH
+    assert all(torch.equal(latest.state["model"][k], v) for k, v in model.state_dict().items())
+    assert ckpt._pool is not None and ckpt._pool.allocations == 1  # one fp32 shared buffer, reused
+
+
+def test_killing_the_worker_mid_task_fails_the_task_and_the_next_one_gets_a_new_worker(
+    world: Any, tmp_path: Path
+) -> None:
+    started = tmp_path / "started"
+    evaluate = world.eval_fn  # capture the function, not the module
+
+    def eval_fn(epoch: int, task: EvalTask) -> dict[str, float]:
+        if epoch == 1:
+            started.write_text(str(os.getpid()))
+            time.sleep(120)  # killed long before this ends
+        return evaluate(epoch, task)
+
+    killed: list[int] = []
+
+    def after_epoch(epoch: int, model: Any) -> None:
+        if epoch == 1:
+            deadline = time.monotonic() + 60
+            while not started.exists() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            pid = int(started.read_text())
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    before = worker_children()
+    rec = RecordingService(event_types={OnValidationEnd, OnError})
+    with LocalDispatcher(threads=1) as dispatcher, SakuraRuntime([rec]) as rt:
+        ae = rt.install(AsyncEval(eval_fn, world.val_payload(), dispatcher=dispatcher))
+        _, reference = world.train(rt, epochs=3, after_epoch=after_epoch)
+        assert dispatcher.workers_started == 2
+        new_pid = dispatcher.worker_pid
+    (error,) = rec.of(OnError)
+    assert isinstance(error.exception, WorkerCrashed) and error.source == "async_eval"
+    assert "killed by SIGKILL" in str(error.exception) and error.epoch == 1
+    assert [(e.epoch, dict(e.metrics)) for e in rec.of(OnValidationEnd)] == [
+        (0, reference[0]),
+        (2, reference[2]),
+    ]
+    assert [r.epoch for r in ae.errors] == [1]
+    assert new_pid not in killed
+    for pid in (*killed, new_pid):
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert worker_children() == before  # no orphan left behind
+
+
+PARENT = """
+import sys, time
+from sakura_async.dispatch import LocalDispatcher
+d = LocalDispatcher()
+info = d.wait_ready()
+print(info["pid"], flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_worker_dies_with_its_parent() -> None:
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
+    try:
+        line = parent.stdout.readline()  # type: ignore[union-attr]
+        worker = int(line)
+        assert psutil.Process(worker).ppid() == parent.pid
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 30
+    while psutil.pid_exists(worker) and time.monotonic() < deadline:
+        if psutil.Process(worker).status() == psutil.STATUS_ZOMBIE:
+            break
+        time.sleep(0.05)
+    assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE
+
+
+def test_options_are_validated() -> None:
+    with pytest.raises(ValueError, match="threads must be an int >= 1 or None, got 0"):
+        LocalDispatcher(threads=0)
+    with pytest.raises(ValueError, match="start_timeout must be"):
+        LocalDispatcher(start_timeout=0)
+    with pytest.raises(TypeError, match="env must be a mapping"):
+        LocalDispatcher(env={"A": 1})  # type: ignore[dict-item]
