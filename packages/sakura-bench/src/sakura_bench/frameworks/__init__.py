@@ -1,0 +1,1 @@
+"""The built-in frameworks, registered by :mod:`sakura_bench.plugin`."""

@@ -1,0 +1,270 @@
+"""``sakura-bench run``: validate the settings, run every trial in a fresh process, write
+the RunReport.
+
+Each trial is ``python -m sakura_bench.trial`` in its own interpreter: no state (warm
+caches, allocator pools, a compiled graph, a worker process, the thread pool) carries from
+one trial to the next, and the order of runs cannot favour either side.  ``--threads T``
+sets ``torch.set_num_threads(T)`` in the trial and ``OMP_NUM_THREADS``/``MKL_NUM_THREADS``
+in its environment, so worker processes the trial starts use the same setting.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from sakura_bench.errors import BenchError, TrialFailed
+from sakura_bench.trial import PROGRESS_PREFIX, RUNNERS, TrialConfig
+
+__all__ = ["RunOptions", "ValidatedRun", "execute", "validate"]
+
+Progress = Callable[[dict[str, Any]], None]
+
+
+@dataclass
+class RunOptions:
+    config: TrialConfig
+    output: Path
+    trials: int = 5
+    nproc: int = 1
+    in_process: bool = False
+
+
+@dataclass
+class ValidatedRun:
+    options: RunOptions
+    epochs: int
+    provided_by: dict[str, str | None]
+
+
+def _positive(option: str, value: Any, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise BenchError(f"{option} must be an integer >= {minimum}, got {value!r}")
+
+
+def validate(options: RunOptions) -> ValidatedRun:
+    """Every check that can fail before a trial starts, with an error naming the option,
+    the value and what is accepted."""
+    from sakura_bench.registry import get_registry
+    from sakura_bench.services import check_service_specs
+    from sakura_bench.trial import check_compatible, resolve_device
+
+    c = options.config
+    if c.runner not in RUNNERS:
+        raise BenchError(f"--runner {c.runner!r} is not accepted; use one of {', '.join(RUNNERS)}")
+    _positive("--trials", options.trials)
+    _positive("--nproc", options.nproc)
+    _positive("--warmup-steps", c.warmup_steps, 0)
+    _positive("--seed", c.seed, 0)
+    if c.epochs is not None:
+        _positive("--epochs", c.epochs)
+    if c.threads is not None:
+        _positive("--threads", c.threads)
+    if c.data_dir is not None and not Path(c.data_dir).is_dir():
+        raise BenchError(f"--data {c.data_dir!r} is not a directory")
+    if c.runner == "baseline" and c.services:
+        raise BenchError(
+            f"--service {' '.join(c.services)}: services are used by --runner sakura only; "
+            f"the baseline is the framework's vanilla loop"
+        )
+    registry = get_registry()
+    workload_entry = registry.get("workload", c.workload)
+    framework_entry = registry.get("framework", c.framework)
+    workload_cls = workload_entry.load()
+    framework = framework_entry.load()()
+    check_compatible(c.workload, workload_cls, c.framework, framework)
+    if c.scale not in workload_cls.configs:
+        raise BenchError(
+            f"--scale {c.scale!r} is not a scale of workload {c.workload!r}; accepted: "
+            f"{', '.join(workload_cls.configs)}"
+        )
+    if options.nproc > 1 and c.framework != "pytorch-ddp":
+        raise BenchError(
+            f"--nproc {options.nproc}: several ranks are supported by --framework pytorch-ddp "
+            f"only (got {c.framework})"
+        )
+    if options.nproc > 1 and options.in_process:
+        raise BenchError("--in-process runs one rank; it cannot be combined with --nproc > 1")
+    device = resolve_device(c.device)
+    probe = workload_cls(c.scale, data_dir=c.data_dir, seed=c.seed, name=c.workload)
+    probe.check_device(device)
+    check_service_specs(c.services)
+    epochs = c.epochs if c.epochs is not None else workload_cls.default_epochs
+    return ValidatedRun(
+        options,
+        epochs,
+        {"workload": workload_entry.provider, "framework": framework_entry.provider},
+    )
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def trial_environment(threads: int | None) -> dict[str, str]:
+    env = dict(os.environ)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+@contextlib.contextmanager
+def _log_files(directory: Path, count: int) -> Iterator[list[Any]]:
+    files = [open(directory / f"rank{r}.log", "w+", encoding="utf-8") for r in range(count)]  # noqa: SIM115
+    try:
+        yield files
+    finally:
+        for f in files:
+            f.close()
+
+
+def spawn_trial(config: TrialConfig, nproc: int, progress: Progress | None) -> dict[str, Any]:
+    """Run one trial as ``nproc`` fresh processes (ranks); return rank 0's result."""
+    with tempfile.TemporaryDirectory(prefix="sakura-bench-trial-") as tmp:
+        directory = Path(tmp)
+        result_path = directory / "result.json"
+        command = [
+            sys.executable,
+            "-m",
+            "sakura_bench.trial",
+            "--config",
+            config.to_json(),
+            "--result",
+            str(result_path),
+        ]
+        base = trial_environment(config.threads)
+        port = _free_port() if nproc > 1 else None
+        started = time.perf_counter()
+        tail: collections.deque[str] = collections.deque(maxlen=60)
+        with _log_files(directory, nproc) as logs:
+            procs = []
+            for rank in range(nproc):
+                env = dict(base)
+                if nproc > 1:
+                    env.update(
+                        RANK=str(rank),
+                        LOCAL_RANK=str(rank),
+                        WORLD_SIZE=str(nproc),
+                        LOCAL_WORLD_SIZE=str(nproc),
+                        MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=str(port),
+                    )
+                    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+                procs.append(
+                    subprocess.Popen(
+                        command,
+                        stdout=subprocess.PIPE if rank == 0 else logs[rank],
+                        stderr=logs[rank],
+                        env=env,
+                        text=True,
+                    )
+                )
+
+            def read_progress() -> None:
+                for line in procs[0].stdout or ():
+                    if line.startswith(PROGRESS_PREFIX):
+                        if progress is not None:
+                            with contextlib.suppress(ValueError):
+                                progress(json.loads(line[len(PROGRESS_PREFIX) :]))
+                    else:
+                        tail.append(line.rstrip("\n"))
+
+            reader = threading.Thread(target=read_progress, daemon=True)
+            reader.start()
+            failed = None
+            while True:
+                codes = [p.poll() for p in procs]
+                failed = next((r for r, c in enumerate(codes) if c not in (None, 0)), None)
+                if failed is not None or all(c == 0 for c in codes):
+                    break
+                time.sleep(0.05)
+            if failed is not None:
+                for p in procs:
+                    if p.poll() is None:
+                        p.terminate()
+                for p in procs:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        p.wait(timeout=10)
+            reader.join(timeout=10)
+            process_s = time.perf_counter() - started
+            if failed is not None:
+                logs[failed].seek(0)
+                lines = logs[failed].read().splitlines()[-40:]
+                if failed == 0:
+                    lines = [*tail, *lines][-40:]
+                raise TrialFailed(
+                    f"trial {config.trial} failed (rank {failed} exited with "
+                    f"{procs[failed].returncode}):\n" + "\n".join(lines)
+                )
+        if not result_path.is_file():
+            raise TrialFailed(f"trial {config.trial} wrote no result")
+        result: dict[str, Any] = json.loads(result_path.read_text())
+        result["process_s"] = process_s
+        return result
+
+
+def execute(
+    run: ValidatedRun,
+    *,
+    on_trial_start: Callable[[int], None] | None = None,
+    on_progress: Progress | None = None,
+    on_trial_end: Callable[[int, dict[str, Any]], None] | None = None,
+) -> tuple[Path, dict[str, Any]]:
+    """Run the trials and write the report; return its path and contents."""
+    from sakura_bench.report import build_report, report_filename, write_report
+    from sakura_bench.trial import run_trial
+
+    options = run.options
+    c = options.config
+    results = []
+    for i in range(options.trials):
+        config = replace(c, trial=i)
+        if on_trial_start is not None:
+            on_trial_start(i)
+        if options.in_process:
+            started = time.perf_counter()
+            result = run_trial(config, progress=on_progress)
+            result["process_s"] = time.perf_counter() - started
+        else:
+            result = spawn_trial(config, options.nproc, on_progress)
+        results.append(result)
+        if on_trial_end is not None:
+            on_trial_end(i, result)
+    settings = {
+        "trials": options.trials,
+        "epochs": run.epochs,
+        "seed": c.seed,
+        "scale": c.scale,
+        "data": c.data_dir,
+        "threads": c.threads,
+        "device": c.device,
+        "warmup_steps": c.warmup_steps,
+        "isolation": "in-process" if options.in_process else "process per trial",
+        "nproc": options.nproc,
+    }
+    report = build_report(
+        workload=c.workload,
+        runner=c.runner,
+        framework=c.framework,
+        services=c.services,
+        settings=settings,
+        trials=results,
+        provided_by=run.provided_by,
+    )
+    path = write_report(report, options.output / report_filename(c.workload, c.runner, c.framework))
+    return path, report

@@ -1,0 +1,1 @@
+"""The built-in workloads, registered by :mod:`sakura_bench.plugin`."""
