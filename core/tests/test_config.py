@@ -129,7 +129,7 @@ def test_from_config_installs_services_from_the_file(
 def test_from_config_unknown_service_names_the_package(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    write(tmp_path / "sakura.toml", 'services=["zero1"]\n')
+    write(tmp_path / "sakura.toml", 'autoload = false\nservices=["zero1"]\n')  # as if not installed
     monkeypatch.chdir(tmp_path)
     with pytest.raises(LookupError, match="pip install sakura-zero"):
         SakuraRuntime.from_config()

@@ -55,6 +55,8 @@ class ClusterDispatcher(Dispatcher):
         max_pending: unfinished tasks allowed before ``submit`` blocks.
         security: a ``distributed.security.Security`` for a TLS scheduler.
         cluster_kwargs: more ``LocalCluster`` options (its ``host`` stays 127.0.0.1).
+        start_timeout: seconds to wait for a local cluster's workers to start before
+            failing with a TimeoutError.
     """
 
     kind = "cluster"
@@ -69,6 +71,7 @@ class ClusterDispatcher(Dispatcher):
         max_pending: int = 4,
         security: Any = None,
         cluster_kwargs: Mapping[str, Any] | None = None,
+        start_timeout: float = 120.0,
     ) -> None:
         super().__init__(max_pending=max_pending)
         if address is not None and not isinstance(address, str) and not hasattr(address, "submit"):
@@ -84,6 +87,15 @@ class ClusterDispatcher(Dispatcher):
         if not isinstance(processes, bool):
             raise TypeError(f"processes must be a bool, got {processes!r}")
         self.processes = processes
+        if (
+            isinstance(start_timeout, bool)
+            or not isinstance(start_timeout, (int, float))
+            or not start_timeout > 0
+        ):
+            raise ValueError(
+                f"start_timeout must be a positive number of seconds, got {start_timeout!r}"
+            )
+        self.start_timeout = float(start_timeout)
         self.security = security
         self.cluster_kwargs = dict(cluster_kwargs or {})
         if "host" in self.cluster_kwargs and self.cluster_kwargs["host"] != "127.0.0.1":
@@ -124,6 +136,9 @@ class ClusterDispatcher(Dispatcher):
             options.update(self.cluster_kwargs)
             self._cluster = distributed.LocalCluster(**options)
             self._client = distributed.Client(self._cluster, security=self.security)
+            # Fail loudly now if the workers cannot start (a loaded machine, a broken
+            # environment) instead of leaving every later task waiting for a worker.
+            self._client.wait_for_workers(self.n_workers, timeout=self.start_timeout)
         else:
             self._client = distributed.Client(self.address, security=self.security)
         self._owns_client = True
