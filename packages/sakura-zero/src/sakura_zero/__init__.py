@@ -7,9 +7,24 @@ shard a ``torch.optim`` optimizer in place, see :class:`OptimizerSharding`.
 
 from __future__ import annotations
 
-from sakura_zero.partition import Partition, balanced_partition, contiguous_partition
-from sakura_zero.service import ZeRO1, ZeRO2
-from sakura_zero.sharding import OptimizerSharding
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sakura_zero.partition import Partition, balanced_partition, contiguous_partition
+    from sakura_zero.service import ZeRO1, ZeRO2
+    from sakura_zero.sharding import OptimizerSharding
+
+# Exports load on first use: the plugin module (sakura_zero.plugin) is imported whenever
+# sakura lists plugins, and that must not import torch.
+_EXPORTS = {
+    "OptimizerSharding": "sakura_zero.sharding",
+    "Partition": "sakura_zero.partition",
+    "ZeRO1": "sakura_zero.service",
+    "ZeRO2": "sakura_zero.service",
+    "balanced_partition": "sakura_zero.partition",
+    "contiguous_partition": "sakura_zero.partition",
+}
 
 __all__ = [
     "OptimizerSharding",
@@ -20,3 +35,10 @@ __all__ = [
     "contiguous_partition",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'sakura_zero' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
