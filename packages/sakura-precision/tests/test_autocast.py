@@ -56,6 +56,17 @@ def test_autocast_uses_the_model_device_and_dtype() -> None:
     assert MixedPrecision("fp16", device="cpu").device_type == "cpu"
 
 
+def test_the_device_type_is_learned_when_a_loop_starts() -> None:
+    from sakura.events import OnEpochEnd, OnValidationBegin
+
+    service = MixedPrecision("bf16")
+    with SakuraRuntime([service], strict=True) as rt:
+        assert rt.emit(OnEpochEnd) is None  # not subscribed: costs nothing
+        assert service._device_type is None
+        rt.emit(OnValidationBegin, model=nn.Linear(2, 2))
+        assert service._device_type == "cpu"
+
+
 class MakesTensors(nn.Module):
     """Creates a tensor in forward, as position ids or masks are: it must follow the mode."""
 

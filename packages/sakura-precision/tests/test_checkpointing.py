@@ -3,6 +3,8 @@ selective policies."""
 
 from __future__ import annotations
 
+import copy
+import pickle
 from typing import Any
 
 import pytest
@@ -198,6 +200,18 @@ def test_no_grad_and_hooks_and_idempotence() -> None:
         eager = make_model()(x)
         torch.testing.assert_close(model(x), eager, rtol=0, atol=0)
     assert calls == ["hook"]
+
+
+def test_checkpointed_models_copy_and_pickle() -> None:
+    x, y = make_batches(1)[0]
+    model = make_model(dropout=0.2)
+    ActivationCheckpoint().wrap_model(model)
+    expected = _grads(model, x, y)
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert clone.blocks[0].forward.module is clone.blocks[0]  # not the original's block
+        got = _grads(clone, x, y)
+        for name in expected:
+            assert torch.equal(got[name], expected[name]), name
 
 
 def test_framework_gradient_checkpointing_conflicts() -> None:

@@ -22,6 +22,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from sakura import SakuraRuntime
+from sakura.events import OnTrainStepBegin
 from sakura.testing import ServiceConformance
 
 
@@ -119,6 +120,9 @@ def test_every_mode_reaches_torch_compile(mode: str, monkeypatch: Any, tmp_path:
     Compile(mode, cache_dir=tmp_path, fullgraph=True, dynamic=False).wrap_model(model)
     assert seen == [{"backend": "inductor", "fullgraph": True, "dynamic": False, "mode": mode}]
     assert model(torch.randn(2, 16)).shape == (2, 8)
+    # only the CUDA-graph modes mark step starts; the others handle no event at all
+    marks = mode in ("reduce-overhead", "max-autotune")
+    assert Compile(mode).event_types == (frozenset({OnTrainStepBegin}) if marks else frozenset())
 
 
 def test_blocks_target_compiles_each_block_in_place(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +164,10 @@ def test_bf16_autocast_and_true_mode(tmp_path: Path) -> None:
         fit(rt, module, tmp_path, max_epochs=1)
     assert module.seen == [(torch.bfloat16, torch.bfloat16)] * STEPS  # the batch was cast
     assert {p.dtype for p in module.parameters()} == {torch.bfloat16}
+    clone = pickle.loads(pickle.dumps(module))  # the step wrappers survive pickling
+    x, y = make_batches(1)[0]
+    assert clone.training_step((x, y), 0).dtype == torch.float32  # loss_fn upcasts
+    assert clone.seen[-1] == (torch.bfloat16, torch.bfloat16)
 
 
 @pytest.mark.parametrize(

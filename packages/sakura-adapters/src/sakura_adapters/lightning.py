@@ -33,6 +33,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
@@ -101,8 +102,13 @@ class SakuraPrecision(Precision):
 
     # --- contexts ---------------------------------------------------------------------
 
+    def forward_context(self) -> contextlib.AbstractContextManager[Any]:
+        if not self.rt.implements("autocast"):
+            return self.inner.forward_context()  # nothing to add: no extra generator frame
+        return self._stacked_forward_context()
+
     @contextlib.contextmanager
-    def forward_context(self) -> Generator[None, None, None]:
+    def _stacked_forward_context(self) -> Generator[None, None, None]:
         with self.inner.forward_context(), self.rt.autocast():
             yield
 
@@ -142,6 +148,10 @@ class SakuraPrecision(Precision):
     ) -> None:
         if clip_val is None or clip_val <= 0:
             return
+        # Manual optimization hands clip_gradients a LightningOptimizer while optimizer_step
+        # gets the torch optimizer: services keyed by the optimizer must see the same object.
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
         self.rt.unscale_gradients(optimizer)
         if gradient_clip_algorithm is None:
             self.inner.clip_gradients(optimizer, clip_val)
@@ -173,7 +183,7 @@ class SakuraPrecision(Precision):
             if not self.rt.optimizer_step(optimizer):
                 optimizer.step(**kwargs)
         trainer = getattr(model, "_trainer", None)
-        if trainer is not None:
+        if trainer is not None and self.rt.handles(ev.OnOptimizerStep):
             self.rt.emit(
                 ev.OnOptimizerStep,
                 step=trainer.global_step + 1,
@@ -217,6 +227,8 @@ class LightningAdapter(Callback):
     # --- helpers ----------------------------------------------------------------------
 
     def _emit(self, cls: type[ev.Event], trainer: pl.Trainer, **fields: Any) -> None:
+        if not self.rt.handles(cls):  # skip the trainer's property chain for unhandled events
+            return
         self.rt.emit(cls, step=trainer.global_step, epoch=trainer.current_epoch, **fields)
 
     def _install_precision(self, trainer: pl.Trainer) -> None:

@@ -17,6 +17,7 @@ checkpoint files need.
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -103,39 +104,53 @@ class _SavePolicy:
 
 
 class _CheckpointedForward:
-    """What a checkpointed block's ``forward`` becomes (an attribute of the instance)."""
+    """What a checkpointed block's ``forward`` becomes (an attribute of the instance).
+
+    It keeps the block, not its bound ``forward``: a bound method pickles as
+    ``getattr(block, "forward")``, which after unpickling would find this wrapper again.
+    """
 
     def __init__(
         self,
         module: nn.Module,
-        forward: Callable[..., Any],
+        instance_forward: Callable[..., Any] | None,
         context_fn: Callable[[], tuple[Any, Any]] | None,
         preserve_rng_state: bool,
     ) -> None:
-        self.forward = forward
+        self.module = module
+        self.instance_forward = instance_forward  # a forward set on the instance before us
         self.context_fn = context_fn
         self.preserve_rng_state = preserve_rng_state
-        self.module_name = type(module).__name__
-        self.__wrapped__ = forward
+
+    def original(self) -> Callable[..., Any]:
+        """The block's own forward, bound."""
+        if self.instance_forward is not None:
+            return self.instance_forward
+        return types.MethodType(type(self.module).forward, self.module)
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:  # for inspect.signature
+        return self.original()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        module = getattr(self.forward, "__self__", None)
-        if module is not None and getattr(module, "gradient_checkpointing", False) is True:
+        module = self.module
+        if getattr(module, "gradient_checkpointing", False) is True:
             raise RuntimeError(
-                f"ActivationCheckpoint: {self.module_name} also has the framework's own gradient "
-                f"checkpointing enabled (transformers' gradient_checkpointing=True); use one: "
-                f"drop gradient_checkpointing from the TrainingArguments / model, or uninstall "
-                f"ActivationCheckpoint"
+                f"ActivationCheckpoint: {type(module).__name__} also has the framework's own "
+                f"gradient checkpointing enabled (transformers' gradient_checkpointing=True); use "
+                f"one: drop gradient_checkpointing from the TrainingArguments / model, or "
+                f"uninstall ActivationCheckpoint"
             )
+        forward = self.original()
         if not torch.is_grad_enabled():
-            return self.forward(*args, **kwargs)
+            return forward(*args, **kwargs)
         options: dict[str, Any] = {
             "use_reentrant": False,
             "preserve_rng_state": self.preserve_rng_state,
         }
         if self.context_fn is not None:
             options["context_fn"] = self.context_fn
-        return checkpoint(self.forward, *args, **options, **kwargs)
+        return checkpoint(forward, *args, **options, **kwargs)
 
 
 class ActivationCheckpoint(Service):
@@ -221,7 +236,7 @@ class ActivationCheckpoint(Service):
             if block.__dict__.get(_MARK) is not None:
                 continue  # already checkpointed (wrap_model ran twice on this model)
             wrapper = _CheckpointedForward(
-                block, block.forward, self._context_fn, self.preserve_rng_state
+                block, block.__dict__.get("forward"), self._context_fn, self.preserve_rng_state
             )
             block.__dict__["forward"] = wrapper
             block.__dict__[_MARK] = True

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from sakura import Service
+from sakura.events import OnTrainStepBegin
 from sakura_precision._options import check_bool, check_choice
 from sakura_precision.blocks import find_blocks, validate_selector
 
@@ -51,7 +52,7 @@ def default_cache_dir() -> Path:
 
 def _run_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The function that is compiled: one module call, hooks included."""
-    return module._call_impl(*args, **kwargs)
+    return module._call_impl(*args, **kwargs)  # type: ignore[no-untyped-call]
 
 
 def _already_compiled(module: nn.Module) -> str | None:
@@ -140,7 +141,13 @@ class Compile(Service):
         self.compiled: list[str] = []
         self._compiled_fn: Any = None
         self._saved: dict[str, Any] | None = None
-        self._mark_steps = False
+        # CUDA graphs reuse their output buffers: with them, each step's start is marked so
+        # cudagraph trees know last step's outputs are dead.  Without them (the default
+        # modes, other backends) the service handles no event at all.
+        uses_cudagraphs = backend == "inductor" and mode in _CUDAGRAPH_MODES
+        self.event_types: frozenset[type] = (
+            frozenset({OnTrainStepBegin}) if uses_cudagraphs else frozenset()
+        )
 
     def __repr__(self) -> str:
         return (
@@ -220,11 +227,6 @@ class Compile(Service):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Compile needs a torch.nn.Module, got {type(model).__name__}")
         self._enable_cache()
-        self._mark_steps = (
-            self.backend == "inductor"
-            and self.mode in _CUDAGRAPH_MODES
-            and torch.cuda.is_available()
-        )
         if self.target == "model":
             self._compile_in_place("", model)
         else:
@@ -238,8 +240,7 @@ class Compile(Service):
                 self._compile_in_place(name, block)
         return model
 
-    def on_train_step_begin(self, event: Any) -> None:
-        # CUDA graphs (reduce-overhead, max-autotune) reuse their output buffers; marking
-        # the step boundary tells cudagraph trees that last step's outputs are dead.
-        if self._mark_steps:
-            torch.compiler.cudagraph_mark_step_begin()
+    def on_event(self, event: Any) -> None:
+        """``OnTrainStepBegin`` with a CUDA-graph mode: mark the step (CUDA only)."""
+        if torch.cuda.is_available():
+            torch.compiler.cudagraph_mark_step_begin()  # type: ignore[no-untyped-call]

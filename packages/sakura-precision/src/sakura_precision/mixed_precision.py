@@ -8,7 +8,7 @@ adapters decide from the implemented hooks what a framework must let a service d
 mode                        class and hooks
 ==========================  ===================================================================
 ``"bf16-mixed"``            :class:`AutocastPrecision`: ``autocast``; ``wrap_model`` and
-                            ``on_train_begin`` only learn the model's device type
+                            ``on_event`` (loop-start events) only learn the device type
 ``"16-mixed"``              :class:`LossScaledPrecision`: the above plus ``wrap_loss``,
                             ``unscale_gradients``, ``optimizer_step``, ``state_dict``,
                             ``load_state_dict`` (a ``torch.amp.GradScaler``)
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import types
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
@@ -37,6 +38,7 @@ import torch
 from torch import nn
 
 from sakura import Service
+from sakura.events import OnFitBegin, OnPredictBegin, OnTestBegin, OnTrainBegin, OnValidationBegin
 from sakura_precision._options import check_bool, check_choice, check_number, check_positive_int
 from sakura_precision.fp8 import check_fp8_hardware, convert_to_float8
 from sakura_precision.modes import Mode, resolve_mode
@@ -62,10 +64,10 @@ _FP8_DEFAULTS: dict[str, Any] = {"emulate": False, "fp8_filter": None}
 def _model_device_type(model: Any) -> str | None:
     if not isinstance(model, nn.Module):
         return None
-    for tensor in model.parameters():
-        return tensor.device.type
-    for tensor in model.buffers():
-        return tensor.device.type
+    for parameter in model.parameters():
+        return parameter.device.type
+    for buffer in model.buffers():
+        return buffer.device.type
     return None
 
 
@@ -214,10 +216,9 @@ class MixedPrecision(Service):
 
 
 # Spec-string errors and help show the constructor's arguments, not __new__'s.
-MixedPrecision.__signature__ = inspect.signature(
-    MixedPrecision.__init__
-).replace(  # type: ignore[attr-defined]
-    parameters=list(inspect.signature(MixedPrecision.__init__).parameters.values())[1:]
+_INIT_SIGNATURE = inspect.signature(MixedPrecision.__init__)
+MixedPrecision.__signature__ = _INIT_SIGNATURE.replace(  # type: ignore[attr-defined]
+    parameters=list(_INIT_SIGNATURE.parameters.values())[1:]
 )
 
 
@@ -232,13 +233,18 @@ class AutocastPrecision(MixedPrecision):
     name = "mixed_precision"
     _KIND = "mixed"
     _checked_device: str | None = None
+    # Where a loop starts using the model: Lightning moves it to its device after
+    # wrap_model, so the device type is learned again here.
+    event_types = frozenset(
+        {OnFitBegin, OnTrainBegin, OnValidationBegin, OnTestBegin, OnPredictBegin}
+    )
 
     def wrap_model(self, model: Any) -> Any:
         """Learns the model's device type; the model is returned unchanged."""
         self._learn_device(model)
         return model
 
-    def on_train_begin(self, event: Any) -> None:
+    def on_event(self, event: Any) -> None:
         self._learn_device(getattr(event, "model", None))
 
     def autocast(self) -> AbstractContextManager[Any]:
@@ -315,7 +321,14 @@ class LossScaledPrecision(AutocastPrecision):
         loaded checkpoint's)."""
         previous = self._scaler
         state = previous.state_dict() if previous is not None else self._pending_state
-        scaler = torch.amp.GradScaler(device_type, **self._settings)
+        settings = self._settings
+        scaler = torch.amp.GradScaler(
+            device_type,
+            init_scale=float(settings["init_scale"]),
+            growth_factor=float(settings["growth_factor"]),
+            backoff_factor=float(settings["backoff_factor"]),
+            growth_interval=int(settings["growth_interval"]),
+        )
         if state:
             scaler.load_state_dict(dict(state))
         self._scaler, self._scaler_device, self._pending_state = scaler, device_type, None
@@ -463,14 +476,21 @@ class _DefaultDtype(AbstractContextManager[None]):
 
 
 def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    """Floating-point tensors in ``value`` (nested tuples, named tuples, lists, dicts) to
+    ``dtype``; containers keep their type where it can be rebuilt."""
     if isinstance(value, torch.Tensor):
         return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_cast_floating(v, dtype) for v in value)
+    if isinstance(value, tuple):
+        items = [_cast_floating(v, dtype) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     if isinstance(value, list):
         return [_cast_floating(v, dtype) for v in value]
     if isinstance(value, dict):
-        return {k: _cast_floating(v, dtype) for k, v in value.items()}
+        cast = {k: _cast_floating(v, dtype) for k, v in value.items()}
+        try:
+            return type(value)(cast)
+        except TypeError:  # a mapping type that cannot be built from a dict
+            return cast
     return value
 
 
@@ -519,9 +539,9 @@ class TruePrecision(MixedPrecision):
         dtype = self.dtype
         if _is_lightning_module(model):
             for method_name in _STEP_METHODS:
-                original = getattr(model, method_name, None)
-                if original is not None:
-                    setattr(model, method_name, _BatchCaster(original, dtype))
+                if hasattr(model, method_name):
+                    caster = _BatchCaster(model, method_name, dtype)
+                    object.__setattr__(model, method_name, caster)
         else:
             model.register_forward_pre_hook(_InputCaster(dtype), with_kwargs=True)
         object.__setattr__(model, _MARK, dtype)
@@ -544,15 +564,30 @@ class _InputCaster:
 
 
 class _BatchCaster:
-    """A LightningModule ``*_step`` method whose batch is cast first."""
+    """A LightningModule ``*_step`` method whose batch is cast first.
 
-    def __init__(self, method: Callable[..., Any], dtype: torch.dtype) -> None:
-        self.method = method
+    Keeps the module and the method's name rather than the bound method (which would
+    pickle as ``getattr(module, name)`` and find this wrapper again); a step method the
+    instance already had (Lightning's compiled steps, say) is kept as it is.
+    """
+
+    def __init__(self, module: nn.Module, name: str, dtype: torch.dtype) -> None:
+        self.module = module
+        self.name = name
+        self.instance_method = module.__dict__.get(name)
         self.dtype = dtype
-        self.__wrapped__ = method
+
+    def original(self) -> Callable[..., Any]:
+        if self.instance_method is not None:
+            return self.instance_method  # type: ignore[no-any-return]
+        return types.MethodType(getattr(type(self.module), self.name), self.module)
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:  # Lightning's is_overridden unwraps this
+        return self.original()
 
     def __call__(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
-        return self.method(_cast_floating(batch, self.dtype), *args, **kwargs)
+        return self.original()(_cast_floating(batch, self.dtype), *args, **kwargs)
 
 
 class FP8Precision(AutocastPrecision):

@@ -11,18 +11,15 @@ def sakura_register_services(register: Register) -> None:
     register(
         "mixed_precision",
         "sakura_precision.mixed_precision:MixedPrecision",
-        description="bf16/fp16/fp8 autocast, fp16 dynamic loss scaling, Lightning's precision "
-        "strings (mixed_precision:bf16, mixed_precision:fp16, mixed_precision:bf16-true)",
+        description="bf16/fp16/fp8 and Lightning's precision strings; fp16 loss scaling",
     )
     register(
         "compile",
         "sakura_precision.compile:Compile",
-        description="torch.compile in place with an on-disk cache "
-        "(compile, compile:mode=max-autotune, compile:target=blocks)",
+        description="torch.compile in place, with an on-disk cache",
     )
     register(
         "activation_checkpoint",
         "sakura_precision.checkpointing:ActivationCheckpoint",
-        description="selective non-reentrant activation checkpointing of the block stack "
-        "(activation_checkpoint, activation_checkpoint:policy=save_matmuls,every=2)",
+        description="selective activation checkpointing of the repeated block stack",
     )
