@@ -14,9 +14,10 @@ A training loop (a 6 x Linear(4096, 4096) MLP, fp32, plain SGD: the state is the
                              waits for it only if it is not done by the optimizer step.
 
 Reported per method: the blocked time per checkpoint (median and spread over every save
-after the first, whose buffer allocation is shown apart), the ratio to ``torch.save``, and
-the run's wall time against a run without checkpoints (an overlapped copy still uses
-memory bandwidth and a core).  Then the bytes written for the same state with and without
+after the first, whose buffer allocation is shown apart), the ratio to ``torch.save``, the
+AsyncCheckpoint blocked time split by cause, and the run's wall time against a run without
+checkpoints (an overlapped copy still uses memory bandwidth and a core; on a shared machine
+this column is only as steady as the machine).  Then the bytes written for the same state with and without
 zstd, fp32 and bf16 (these weights are freshly initialised; trained weights compress about
 as little).
 
@@ -135,6 +136,7 @@ class Sakura(Method):
 
     def end(self) -> None:
         self.blocked = list(self.service.blocked_s)
+        self.parts = [(t.wait_s, t.copy_s, t.barrier_s) for t in self.service.timings]
         self.allocations = self.service._pool.allocations if self.service._pool else 0
 
 
@@ -227,13 +229,14 @@ def main() -> int:
                 os.makedirs(root, exist_ok=True)
                 wall = run(method, args.steps, args.every, root)
                 entry = results.setdefault(
-                    name, {"wall": [], "first": [], "blocked": [], "alloc": []}
+                    name, {"wall": [], "first": [], "blocked": [], "alloc": [], "parts": []}
                 )
                 entry["wall"].append(wall)
                 if method is not None:
                     entry["first"].append(method.blocked[0])
                     entry["blocked"].extend(method.blocked[1:])
                     entry["alloc"].append(getattr(method, "allocations", None))
+                    entry["parts"].extend(getattr(method, "parts", [])[1:])
                 shutil.rmtree(root, ignore_errors=True)
                 print(f"# trial {trial + 1} {name}: wall {wall:.2f} s", flush=True)
         sizes = zstd_sizes(base_dir)
@@ -259,6 +262,20 @@ def main() -> int:
             f"| {name} | {statistics.median(b) * 1000:.1f} ms ({min(b) * 1000:.1f}-{max(b) * 1000:.1f}) | "
             f"{statistics.median(entry['first']) * 1000:.0f} ms | {100 * statistics.median(b) / ref:.1f} % | {overhead} |"
         )
+    print()
+    print("AsyncCheckpoint blocked time by cause (median over the same saves, ms):")
+    print()
+    print(
+        "| method | waiting for the previous write | copy on the training thread "
+        "| waiting for the overlapped copy |"
+    )
+    print("|---|---|---|---|")
+    for name, entry in results.items():
+        if entry["parts"]:
+            wait, copy, barrier = (
+                statistics.median(p[i] for p in entry["parts"]) * 1000 for i in range(3)
+            )
+            print(f"| {name} | {wait:.1f} | {copy:.1f} | {barrier:.1f} |")
     print()
     print(
         "| state | bytes, no compression | bytes, zstd level 3 | ratio | write time, none / zstd |"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -48,6 +49,22 @@ def test_everything_listens_on_loopback_and_tasks_run_in_a_worker_process(
     assert cluster.submit(where).result(60) != os.getpid()
     with pytest.raises(ValueError, match="failed on the cluster"):
         cluster.submit(fail).result(60)
+
+
+def test_a_function_the_worker_cannot_import_fails_its_task_not_the_worker(
+    cluster: ClusterDispatcher,
+) -> None:
+    """A function pickled by reference from a module only this process has: the task fails
+    with the import error, and the worker keeps serving tasks."""
+    module = types.ModuleType("sakura_only_in_the_test_process")
+    exec("def answer():\n    return 42\n", module.__dict__)  # noqa: S102 - a test fixture
+    sys.modules[module.__name__] = module
+    try:
+        with pytest.raises(ModuleNotFoundError, match="sakura_only_in_the_test_process"):
+            cluster.submit(module.answer).result(60)
+    finally:
+        del sys.modules[module.__name__]
+    assert cluster.submit(where).result(60) != os.getpid()
 
 
 def test_async_eval_on_the_cluster_is_exact(world: Any, cluster: ClusterDispatcher) -> None:

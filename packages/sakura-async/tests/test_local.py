@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,18 @@ def test_a_task_exception_comes_back_with_the_worker_traceback(local: LocalDispa
         future.result(60)
     if sys.version_info >= (3, 11):
         assert any("raised in sakura-worker" in note for note in info.value.__notes__)
+
+
+def test_a_function_the_worker_cannot_import_fails_its_task(local: LocalDispatcher) -> None:
+    module = types.ModuleType("sakura_only_in_the_test_process")
+    exec("def answer():\n    return 42\n", module.__dict__)  # noqa: S102 - a test fixture
+    sys.modules[module.__name__] = module
+    try:
+        with pytest.raises(ModuleNotFoundError, match="sakura_only_in_the_test_process"):
+            local.submit(module.answer).result(60)
+    finally:
+        del sys.modules[module.__name__]
+    assert local.submit(describe, torch.ones(2)).result(60)["sum"] == 2.0
 
 
 def test_async_eval_gives_exactly_the_synchronous_metrics(

@@ -286,13 +286,16 @@ class AsyncEval(Service):
 
     def _submit(self, event: Any) -> None:
         model = event.model
-        if model is None and self.state_provider is None:
+        target = unwrap_model(model) if model is not None else None
+        if self.state_provider is not None:
+            state = self.state_provider(target)
+        elif target is not None:
+            state = target.state_dict()
+        else:
             raise ValueError(
                 f"{type(event).__name__} carries no model; AsyncEval needs the model to snapshot "
                 f"(or a state_provider)"
             )
-        target = unwrap_model(model) if model is not None else None
-        state = self.state_provider(target) if self.state_provider else target.state_dict()
         if self._pool is None or self.dispatcher is None:
             raise RuntimeError(
                 f"AsyncEval {self.name!r} is not set up (install it on a running runtime)"

@@ -47,7 +47,7 @@ def map_tensors(tree: Any, fn: Callable[[Any], Any], *, copy_leaves: bool = Fals
                 out._metadata = copy.deepcopy(tree._metadata)  # type: ignore[attr-defined]
             return out
         try:
-            return type(tree)(items)
+            return type(tree)(items)  # type: ignore[call-arg]
         except Exception:
             return dict(items)
     if isinstance(tree, list):
@@ -105,7 +105,7 @@ class Snapshot:
                 if not src.is_cuda:
                     dst.copy_(src)
             if cuda:
-                side = torch.cuda.Stream(device=cuda[0][1].device)
+                side = torch.cuda.Stream(device=cuda[0][1].device)  # type: ignore[no-untyped-call]
                 if stream is not None:
                     side.wait_stream(stream)
                 with torch.cuda.stream(side):

@@ -216,7 +216,7 @@ def write_state(tree: Any, raw: BinaryIO, fmt: str, compress: int | None) -> Has
     if compress:
         import zstandard
 
-        sink: Any = zstandard.ZstdCompressor(level=compress).stream_writer(hashing, closefd=False)
+        sink: Any = zstandard.ZstdCompressor(level=compress).stream_writer(hashing, closefd=False)  # type: ignore[arg-type]
     else:
         sink = io.BufferedWriter(hashing, buffer_size=1 << 20)
     if fmt == "safetensors":

@@ -296,7 +296,8 @@ class AsyncCheckpoint(Service):
 
         def at_exit() -> None:  # the runtime was never closed: still finish and report
             service = ref()
-            if service is not None and service._pending:
+            if service is not None and (service._pending or service._copying is not None):
+                service._barrier()
                 service._collect(wait=True)
                 for exc in service._unraised:
                     logger.error("sakura AsyncCheckpoint: a checkpoint write failed: %r", exc)

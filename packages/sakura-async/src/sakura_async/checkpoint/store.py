@@ -184,7 +184,7 @@ def _retain(root: str, keep: int, *, newest: str) -> None:
 
 def remove_stale_temporaries(root: str) -> list[str]:
     """Remove ``.tmp-`` directories left by writers that are no longer alive."""
-    removed = []
+    removed: list[str] = []
     if not os.path.isdir(root):
         return removed
     for entry in os.listdir(root):

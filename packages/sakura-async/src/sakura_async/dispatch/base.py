@@ -246,7 +246,7 @@ class Dispatcher(ABC):
     def _task_done(self, future: concurrent.futures.Future) -> None:  # type: ignore[type-arg]
         with self._idle:
             if future in self._pending:
-                self._pending.discard(future)  # type: ignore[arg-type]
+                self._pending.discard(future)
                 self._slots.release()
             if not self._pending:
                 self._idle.notify_all()

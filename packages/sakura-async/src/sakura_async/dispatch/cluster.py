@@ -6,32 +6,38 @@ For users who outgrow one machine: give the address of a running scheduler
 
     pip install 'sakura-async[dask]'
 
-Dask serializes the task (cloudpickle; tensors through its own torch serializer), places
-it on a worker and retries it elsewhere if a worker dies (up to the scheduler's
-``allowed-failures``); a task that exhausts its retries fails with Dask's
-``KilledWorker``.  Securing a remote scheduler (TLS, authentication) is Dask's
+The task is encoded as for the other dispatchers (cloudpickle + zstandard, tensors as raw
+buffers) into one ``bytes`` object that Dask ships to a worker, where a function of this
+module decodes and runs it.  So a function travels exactly as with ``LocalDispatcher``
+(by value for ``__main__`` and for modules registered with
+``cloudpickle.register_pickle_by_value``), and a payload that cannot be decoded on the
+worker fails that task instead of breaking the worker's connection (which is what Dask's own
+by-reference pickling of a function the worker cannot import does).  Dask retries a task
+elsewhere if its worker dies (up to the scheduler's ``allowed-failures``); a task that
+exhausts its retries fails with Dask's ``KilledWorker``.  Securing a remote scheduler (TLS, authentication) is Dask's
 configuration (``distributed.security.Security``, passed as ``security=``).
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from sakura_async._options import check_int
 from sakura_async.dispatch.base import Dispatcher, TaskFuture
+from sakura_async.wire.serialize import Encoder
+from sakura_async.wire.tasks import decode_outcome
 
 __all__ = ["ClusterDispatcher"]
 
 
-def _run_timed(
-    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[Any, float]:
-    t0 = time.perf_counter()
-    value = fn(*args, **kwargs)
-    return value, time.perf_counter() - t0
+def _run_encoded(body: bytes) -> bytes:
+    """What a Dask worker runs: decode ``(fn, args, kwargs)``, run it, encode the outcome."""
+    from sakura_async.wire.serialize import Decoder
+    from sakura_async.wire.tasks import run_task
+
+    return b"".join(bytes(chunk) for chunk in run_task(bytearray(body), Decoder()))
 
 
 def _import_distributed() -> Any:
@@ -129,7 +135,9 @@ class ClusterDispatcher(Dispatcher):
                 "n_workers": self.n_workers,
                 "threads_per_worker": self.threads_per_worker,
                 "processes": self.processes,
-                "dashboard_address": None,
+                # The scheduler serves HTTP (health, metrics) even without a dashboard:
+                # keep it on loopback, on a free port.
+                "dashboard_address": "127.0.0.1:0",
             }
             if self.security is not None:
                 options["security"] = self.security
@@ -150,16 +158,21 @@ class ClusterDispatcher(Dispatcher):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> None:
-        dask_future = self.client.submit(_run_timed, fn, args, kwargs, pure=False)
+        body = b"".join(bytes(chunk) for chunk in Encoder(placer=None).encode((fn, args, kwargs)))
+        dask_future = self.client.submit(_run_encoded, body, pure=False)
         future._mark_submitted()
 
         def done(f: Any) -> None:
             try:
-                value, run_s = f.result()
-            except BaseException as exc:
+                outcome = f.result()
+            except BaseException as exc:  # KilledWorker, a cancelled future...
                 future._finish(error=exc)
                 return
-            future._finish(result=value, run_s=run_s)
+            ok, value, run_s = decode_outcome(outcome, "a Dask worker")
+            if ok:
+                future._finish(result=value, run_s=run_s)
+            else:
+                future._finish(error=value, run_s=run_s)
 
         # Dask runs callbacks on its event loop; result() of a finished future is immediate
         # there, but a slow one would stall the loop, so hand it to a thread.

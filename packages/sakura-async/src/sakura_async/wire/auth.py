@@ -47,7 +47,7 @@ def is_loopback(host: str) -> bool:
         return False
     addresses = {info[4][0] for info in infos}
     return bool(addresses) and all(
-        ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses
+        ipaddress.ip_address(str(a).split("%")[0]).is_loopback for a in addresses
     )
 
 

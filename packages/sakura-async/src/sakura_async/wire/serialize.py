@@ -111,7 +111,7 @@ def _plain_tensor(obj: Any) -> bool:
 Placer = Callable[[Any], tuple[int, int, int]]
 
 
-class _Pickler(cloudpickle.CloudPickler):
+class _Pickler(cloudpickle.CloudPickler):  # type: ignore[misc]
     def __init__(self, file: Any, *, placer: Placer | None, buffers: list[Any]) -> None:
         super().__init__(file, protocol=5, buffer_callback=buffers.append)
         self._placer = placer
@@ -134,7 +134,7 @@ class _Pickler(cloudpickle.CloudPickler):
             flat = (
                 t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
             )
-            buf = pickle.PickleBuffer(flat.numpy())
+            buf = pickle.PickleBuffer(flat.numpy())  # type: ignore[arg-type]
             return _rebuild_inline, (buf, dtype, shape, requires_grad, parameter)
         return super().reducer_override(obj)
 
