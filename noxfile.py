@@ -10,11 +10,15 @@ Sessions (``nox -l`` lists them; ``nox`` alone runs ``lint`` and ``tests``):
 - ``integration`` builds everything (plus ``tests-integration/*/`` projects), installs the
                   wheels into a fresh ``python -m venv`` as a user would, and runs
                   ``tests-integration/`` with that environment's pytest, away from the sources.
-- ``demo``        the main job: ``benchmarks/demo_core.py`` in a ``tests``-like environment.
-- ``bench``       every other ``benchmarks/*.py`` in a ``tests``-like environment.
+- ``demo``        the main job: in a ``tests``-like environment, ``sakura-bench`` runs the
+                  ``mnist-mlp-multi`` workload through the vanilla PyTorch loop and through
+                  sakura with ``AsyncEval`` on a worker process, prints the comparison and
+                  exports it (Markdown, PNG, HTML) under ``reports/demo/``.
+- ``bench``       every ``benchmarks/*.py`` and ``benchmarks/*.sh`` in a ``tests``-like
+                  environment.
 
-Arguments after ``--`` are forwarded: to pytest (``tests``, ``integration``) or to the
-scripts (``demo``, ``bench``).
+Arguments after ``--`` are forwarded: to pytest (``tests``, ``integration``), to both
+``sakura-bench run`` calls (``demo``, e.g. ``-- --trials 9``) or to the scripts (``bench``).
 
 torch is always pinned to the build that is on the machines (``TORCH_PIN``), through a
 constraints file given to every pip call, so no resolver ever picks an unpinned torch.
@@ -49,7 +53,7 @@ INTEGRATION_ENV = ROOT / ".nox" / "integration-env"
 
 TORCH_PIN = "torch==2.13.0"
 TEST_REQUIREMENTS = ["pytest>=7", "lightning", "transformers"]
-DEMO_SCRIPT = BENCHMARKS / "demo_core.py"
+DEMO_REPORTS = ROOT / "reports" / "demo"
 LINT_PATHS = ["core", "packages", "benchmarks", "tests-integration", "noxfile.py"]
 
 
@@ -309,21 +313,50 @@ def integration(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The main job: run benchmarks/demo_core.py."""
-    if not DEMO_SCRIPT.is_file():
-        session.error(f"{DEMO_SCRIPT.relative_to(ROOT)} does not exist yet")
+    """The main job: the vanilla PyTorch loop against sakura + AsyncEval on a worker process.
+
+    Both runs train ``mnist-mlp-multi`` (per-epoch evaluation about as costly as a training
+    epoch) with one torch thread each, so that on a two-core machine the training loop and
+    the evaluation worker each have a core; every trial is a fresh process."""
     install_workspace(session)
-    session.run("python", str(DEMO_SCRIPT), *session.posargs)
+    shutil.rmtree(DEMO_REPORTS, ignore_errors=True)
+    common = [
+        "--workload",
+        "mnist-mlp-multi",
+        "--framework",
+        "pytorch-ddp",
+        "--threads",
+        "1",
+        "--trials",
+        "5",
+        "--output",
+        str(DEMO_REPORTS),
+        *session.posargs,  # later options win: `nox -s demo -- --trials 9`
+    ]
+    session.run("sakura-bench", "run", "--runner", "baseline", *common)
+    session.run(
+        "sakura-bench", "run", "--runner", "sakura", "--service", "async_eval:process", *common
+    )
+    reports = [
+        str(DEMO_REPORTS / f"mnist-mlp-multi-{runner}-pytorch-ddp.json")
+        for runner in ("baseline", "sakura")
+    ]
+    session.run("sakura-bench", "compare", *reports)
+    session.run("sakura-bench", "export", *reports, "--output", str(DEMO_REPORTS / "export"))
 
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Run every benchmarks/*.py except demo_core.py and _private helpers."""
+    """Run every benchmarks/*.py and benchmarks/*.sh (not _private helpers)."""
     scripts = sorted(
-        p for p in BENCHMARKS.glob("*.py") if p != DEMO_SCRIPT and not p.name.startswith("_")
+        p
+        for pattern in ("*.py", "*.sh")
+        for p in BENCHMARKS.glob(pattern)
+        if not p.name.startswith("_")
     )
     if not scripts:
-        session.error("no benchmarks/*.py to run (besides demo_core.py)")
+        session.error("no benchmarks/*.py or *.sh to run")
     install_workspace(session)
     for script in scripts:
-        session.run("python", str(script), *session.posargs)
+        runner = "bash" if script.suffix == ".sh" else "python"
+        session.run(runner, str(script), *session.posargs, external=runner == "bash")

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import pickle
 from contextlib import contextmanager
 from typing import Any
 
 import pytest
 
-from sakura import SakuraRuntime, Service
+from sakura import STEP_SKIPPED, SakuraRuntime, Service, StepSkipped
 
 torch = pytest.importorskip("torch")
 
@@ -174,6 +175,38 @@ def test_optimizer_step_stops_at_the_first_owner() -> None:
     assert journal == ["declines", "owns"]
     assert SakuraRuntime([Declines()]).optimizer_step(object()) is False
     assert SakuraRuntime().optimizer_step(object()) is False
+
+
+def test_a_skipped_step_is_owned_and_recorded() -> None:
+    outcomes: list[Any] = [True, STEP_SKIPPED, False, STEP_SKIPPED]
+
+    class Scaler(Service):
+        def optimizer_step(self, optimizer: Any) -> Any:
+            return outcomes.pop(0)
+
+    rt = SakuraRuntime([Scaler()])
+    assert rt.last_step_skipped is False
+    results = [(rt.optimizer_step(object()), rt.last_step_skipped) for _ in range(3)]
+    assert results == [(True, False), (True, True), (False, False)]
+    rt.optimizer_step(object())
+    assert rt.last_step_skipped is True
+
+    class Raises(Service):
+        priority = -1
+
+        def optimizer_step(self, optimizer: Any) -> bool:
+            raise RuntimeError("boom")
+
+    rt.install(Raises())
+    with pytest.raises(RuntimeError, match="boom"):
+        rt.optimizer_step(object())
+    assert rt.last_step_skipped is False  # an error leaves no stale "skipped"
+
+
+def test_step_skipped_is_a_truthy_singleton_that_pickles_to_itself() -> None:
+    assert bool(STEP_SKIPPED) is True and StepSkipped() is STEP_SKIPPED
+    assert repr(STEP_SKIPPED) == "sakura.STEP_SKIPPED"
+    assert pickle.loads(pickle.dumps(STEP_SKIPPED)) is STEP_SKIPPED
 
 
 def test_clip_grad_norm_validates_max_norm() -> None:

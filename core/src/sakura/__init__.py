@@ -19,6 +19,7 @@ from sakura.hookspecs import hookimpl, hookspec
 from sakura.runtime import HandlerError, SakuraRuntime
 from sakura.service import Service
 from sakura.specs import Spec, parse_spec
+from sakura.step import STEP_SKIPPED, StepSkipped
 from sakura.telemetry import Telemetry
 
 __version__ = "0.1.0"
@@ -32,6 +33,8 @@ __all__ = [
     "HandlerError",
     "Spec",
     "parse_spec",
+    "STEP_SKIPPED",
+    "StepSkipped",
     "hookimpl",
     "hookspec",
     "SakuraError",

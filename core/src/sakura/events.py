@@ -168,12 +168,16 @@ class OnSanityCheckEnd(Event):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OnTrainBegin(Event):
-    """Training starts; the model and optimizer are ready."""
+    """Training starts; the model and optimizer are ready.  ``trainer`` is the framework
+    object driving the loop when there is one: the ``lightning.Trainer``, the
+    ``transformers.Trainer`` (``SakuraTrainer``), or its ``TrainerState`` under the stock
+    Trainer (a callback is not given the Trainer itself)."""
 
     hook: ClassVar[str] = "on_train_begin"
     model: Any = None
     optimizer: Any = None
     train_loader: Any = None
+    trainer: Any = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -263,11 +267,13 @@ class OnBeforeOptimizerStep(Event):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OnOptimizerStep(Event):
-    """The optimizer stepped (or a service owned and performed the step)."""
+    """The optimizer stepped, or a service owned the step; ``skipped`` is True when that
+    service skipped it (``rt.last_step_skipped``: inf/NaN gradients under a loss scaler)."""
 
     hook: ClassVar[str] = "on_optimizer_step"
     model: Any = None
     optimizer: Any = None
+    skipped: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -83,6 +83,7 @@ from sakura.events import (
 if TYPE_CHECKING:
     from sakura.events import Event
     from sakura.runtime import SakuraRuntime
+    from sakura.step import StepSkipped
 
 PROJECT_NAME = "sakura"
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
@@ -146,11 +147,13 @@ class ServiceHooks:
         idempotent within one step, so clipping never unscales twice."""
 
     @hookspec
-    def optimizer_step(self, optimizer: Any) -> bool:
+    def optimizer_step(self, optimizer: Any) -> bool | StepSkipped:
         """Called by ``rt.optimizer_step(optimizer)``, in priority order, until one service
-        returns True: that service performed (or deliberately skipped) the step and the
-        loop must not call ``optimizer.step()`` itself.  Return False to leave the step to
-        the loop."""
+        returns a truthy value: that service owned the step and the loop must not call
+        ``optimizer.step()`` itself.  Return True when the step was performed,
+        :data:`~sakura.STEP_SKIPPED` when it was deliberately skipped (the runtime sets
+        ``rt.last_step_skipped``, and loops leave their LR scheduler alone), False to leave
+        the step to the loop."""
 
     @hookspec
     def state_dict(self) -> Mapping[str, Any]:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 from sakura.errors import InvalidServiceError, SakuraError, nearest
 from sakura.events import EVENT_TYPES, Event, OnError
 from sakura.service import EVENT_HOOKS, implemented_hooks, validate_service
+from sakura.step import STEP_SKIPPED
 
 if TYPE_CHECKING:
     from sakura.config import SakuraConfig
@@ -112,6 +113,9 @@ class SakuraRuntime:
         self._table: dict[type[Event], tuple[Callable[[Any], Any], ...]] = {}
         self._dispatch: dict[type[Event], Callable[[Any], None]] = {}
         self._calls: dict[str, tuple[tuple[Any, Callable[..., Any]], ...]] = {}
+        self.last_step_skipped: bool = False
+        """Whether the last :meth:`optimizer_step` was owned by a service that skipped it
+        (it returned :data:`~sakura.STEP_SKIPPED`); a loop leaves its LR scheduler alone then."""
         for service in services:
             self.install(service)
 
@@ -495,19 +499,25 @@ class SakuraRuntime:
         """Offer the step to the services in priority order.
 
         Returns True when one of them owned it (performed or deliberately skipped it): the
-        loop must then not call ``optimizer.step()`` itself.  Usage::
+        loop must then not call ``optimizer.step()`` itself.  :attr:`last_step_skipped`
+        says whether the owner skipped it (returned :data:`~sakura.STEP_SKIPPED`).  Usage::
 
             if not rt.optimizer_step(optimizer):
                 optimizer.step()
+            if not rt.last_step_skipped:
+                scheduler.step()
         """
         for service, step in self._calls.get("optimizer_step", ()):
             try:
                 owned = step(optimizer)
             except BaseException as exc:
+                self.last_step_skipped = False
                 _annotate(exc, service, "optimizer_step")
                 raise
             if owned:
+                self.last_step_skipped = owned is STEP_SKIPPED
                 return True
+        self.last_step_skipped = False
         return False
 
     def state_dict(self) -> dict[str, Any]:

@@ -36,6 +36,7 @@ _SKIP = frozenset(
         "optimizer",
         "batch",
         "train_loader",
+        "trainer",
         "outputs",
         "checkpoint",
     }

@@ -365,6 +365,7 @@ def test_sakura_trainer_event_sequence(tmp_path, model, train_data, eval_data):
     # the objects of the moment
     begin = rec.of(OnTrainBegin)[0]
     assert begin.model is trainer.model
+    assert begin.trainer is trainer  # SakuraTrainer binds itself; the stock Trainer: its state
     assert type(begin.optimizer) is torch.optim.SGD
     assert begin.train_loader is not None
     losses = [e.loss for e in rec.of(OnTrainStepEnd)]
@@ -441,6 +442,7 @@ def test_stock_trainer_with_event_services_only(tmp_path, train_data):
     names = rec.names
     assert names[:4] == ["OnSetup", "OnFitBegin", "OnTrainBegin", "OnEpochBegin"]
     assert names[-2:] == ["OnTrainEnd", "OnFitEnd"]
+    assert rec.of(OnTrainBegin)[0].trainer is trainer.state  # a callback is not given more
     first_step = names.index("OnTrainStepBegin")
     assert names[first_step : first_step + 6] == [
         "OnTrainStepBegin",

@@ -108,7 +108,8 @@ VALIDATION = [
 def test_fit_emits_the_exact_event_sequence(tmp_path: Path) -> None:
     rec = RecordingService()
     with SakuraRuntime([rec], strict=True) as rt:
-        trainer(rt, tmp_path).fit(TinyModule(), loader(), DataLoader(data(), batch_size=12))
+        fitting = trainer(rt, tmp_path)
+        fitting.fit(TinyModule(), loader(), DataLoader(data(), batch_size=12))
     epoch = [
         "OnEpochBegin",
         *PER_STEP * STEPS_PER_EPOCH,
@@ -131,6 +132,8 @@ def test_fit_emits_the_exact_event_sequence(tmp_path: Path) -> None:
     epoch_end = rec.of(sakura.OnEpochEnd)[-1]
     assert set(epoch_end.metrics) >= {"train_loss", "val_loss"}
     assert isinstance(rec.of(sakura.OnTrainBegin)[0].optimizer, torch.optim.SGD)
+    assert rec.of(sakura.OnTrainBegin)[0].trainer is fitting
+    assert not any(e.skipped for e in rec.of(OnOptimizerStep))
     assert rec.of(sakura.OnSaveCheckpoint)[0].checkpoint["sakura"] == {}
     assert float(rec.of(sakura.OnTrainStepEnd)[0].loss) > 0
 

@@ -12,7 +12,7 @@ pytest.importorskip("accelerate")
 
 import torch
 import torch.nn.functional as F
-from sakura_adapters.hf import HFAdapter
+from sakura_adapters.hf import HFAdapter, SakuraTrainer
 from sakura_async import AsyncCheckpoint, AsyncEval, load_latest
 from sakura_async.checkpoint import find_checkpoints
 from torch import nn
@@ -58,16 +58,29 @@ def eval_fn(epoch: int, task: Any) -> dict[str, float]:
 
 
 class SyncReference(TrainerCallback):
+    """Evaluates synchronously at each epoch end (the reference values) and records the
+    logs the Trainer's callbacks receive."""
+
     def __init__(self) -> None:
         self.values: list[float] = []
+        self.logged: list[dict[str, float]] = []
 
     def on_epoch_end(
         self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any
     ) -> None:
         self.values.append(val_loss(model))
 
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
+        if logs and "async_loss" in logs:
+            self.logged.append(dict(logs))
 
-def make_trainer(rt: SakuraRuntime, tmp_path: Path, reference: TrainerCallback) -> Trainer:
+
+def make_trainer(
+    rt: SakuraRuntime,
+    tmp_path: Path,
+    reference: TrainerCallback,
+    trainer_cls: type[Trainer] = Trainer,
+) -> Trainer:
     torch.manual_seed(0)
     args = TrainingArguments(
         output_dir=str(tmp_path / "out"),
@@ -82,7 +95,7 @@ def make_trainer(rt: SakuraRuntime, tmp_path: Path, reference: TrainerCallback) 
         disable_tqdm=True,
         seed=0,
     )
-    return Trainer(
+    return trainer_cls(
         model=TinyRegressor(),
         args=args,
         train_dataset=make_data(N_TRAIN, seed=1),
@@ -90,20 +103,33 @@ def make_trainer(rt: SakuraRuntime, tmp_path: Path, reference: TrainerCallback) 
     )
 
 
-def test_async_eval_and_checkpoint_under_the_hf_trainer(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("trainer_cls", "attach"),
+    [(Trainer, True), (Trainer, False), (SakuraTrainer, False)],
+    ids=["stock-attached", "stock", "sakura-trainer"],
+)
+def test_async_eval_and_checkpoint_under_the_hf_trainer(
+    tmp_path: Path, trainer_cls: type[Trainer], attach: bool
+) -> None:
     reference = SyncReference()
     rec = RecordingService(event_types={OnValidationEnd})
     with SakuraRuntime([rec], strict=True) as rt:
         ae = rt.install(AsyncEval(eval_fn, dispatcher="thread"))
         ckpt = rt.install(AsyncCheckpoint(tmp_path / "ckpt", every=1, keep=2, dispatcher="thread"))
-        trainer = make_trainer(rt, tmp_path, reference)
-        ae.attach(trainer)
+        trainer = make_trainer(rt, tmp_path, reference, trainer_cls)
+        if attach:
+            ae.attach(trainer)
         trainer.train()
     assert [e.metrics["async_loss"] for e in rec.of(OnValidationEnd)] == reference.values
+    # Without attach(): the adapter gave AsyncEval the trainer (SakuraTrainer) or its state.
     entries = [h for h in trainer.state.log_history if "async_loss" in h]
     assert [(h["epoch"], h["step"], h["async_loss"]) for h in entries] == [
         (float(e + 1), STEPS * (e + 1), reference.values[e]) for e in range(EPOCHS)
     ]
+    # The Trainer's callbacks hear of the results when AsyncEval has the Trainer itself.
+    reaches_callbacks = attach or trainer_cls is SakuraTrainer
+    expected = [{"async_loss": v} for v in reference.values] if reaches_callbacks else []
+    assert reference.logged == expected
     assert [c.step for c in find_checkpoints(tmp_path / "ckpt")] == [STEPS * 2, STEPS * 3]
     latest = load_latest(tmp_path / "ckpt")
     assert latest is not None and not ckpt.errors
@@ -112,19 +138,17 @@ def test_async_eval_and_checkpoint_under_the_hf_trainer(tmp_path: Path) -> None:
 
 
 def test_auto_reporting_uses_a_trainer_state_carried_by_the_train_begin_event() -> None:
-    """Forward compatibility: an adapter that puts the TrainerState on OnTrainBegin (a
-    ``trainer`` field) makes report_to="auto" reach the log history without attach()."""
-    from types import SimpleNamespace
-
+    """The stock Trainer's HFAdapter puts the TrainerState on OnTrainBegin (its ``trainer``
+    field): report_to="auto" reaches the log history without attach()."""
     from transformers import TrainerState
 
-    from sakura import OnEpochEnd, OnTrainEnd
+    from sakura import OnEpochEnd, OnTrainBegin, OnTrainEnd
 
     state = TrainerState()
     model = TinyRegressor()
     with SakuraRuntime(strict=True) as rt:
-        ae = rt.install(AsyncEval(eval_fn, dispatcher="inthread"))
-        ae.on_train_begin(SimpleNamespace(model=model, trainer=state))
+        rt.install(AsyncEval(eval_fn, dispatcher="inthread"))
+        rt.emit(OnTrainBegin, model=model, trainer=state)
         rt.emit(OnEpochEnd, epoch=0, step=4, model=model)
         rt.emit(OnTrainEnd, epoch=0, step=4, model=model)
     assert state.log_history == [{"async_loss": val_loss(model), "epoch": 1.0, "step": 4}]

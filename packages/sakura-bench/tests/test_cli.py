@@ -172,6 +172,8 @@ def test_list_table(capsys: pytest.CaptureFixture[str]) -> None:
         "telemetry",
     ):
         assert word in out
+    # Plugins' descriptions are text, not rich markup: the extra in brackets survives.
+    assert "sakura-async[dask]" in out
 
 
 RUN = ["run", "--scale", "tiny", "--in-process", "--output"]

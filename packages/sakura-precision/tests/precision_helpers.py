@@ -6,7 +6,7 @@ Imported by name (the tests directory is put on ``sys.path`` by ``conftest.py``,
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -108,10 +108,15 @@ def grad_scaler_loop(
     lr: float = 0.1,
     clip: float | None = None,
     scaler: torch.amp.GradScaler | None = None,
+    schedule: Callable[[int], float] | None = None,
 ) -> tuple[list[float], torch.amp.GradScaler]:
-    """The hand-written fp16 loop from torch's AMP recipe (CPU), the reference."""
+    """The hand-written fp16 loop from torch's AMP recipe (CPU), the reference.
+
+    With ``schedule`` (a LambdaLR factor), the LR scheduler steps after each step that was
+    not skipped (the scale did not back off), as the Hugging Face Trainer does."""
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     scaler = scaler or torch.amp.GradScaler("cpu")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule) if schedule else None
     losses = []
     for x, y in batches:
         with torch.autocast("cpu", dtype=torch.float16):
@@ -120,8 +125,11 @@ def grad_scaler_loop(
         if clip is not None:
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        scale = scaler.get_scale()
         scaler.step(optimizer)
         scaler.update()
+        if scheduler is not None and scaler.get_scale() >= scale:
+            scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
     return losses, scaler

@@ -12,7 +12,7 @@ from precision_helpers import grad_scaler_loop, loss_fn, make_batches, make_mode
 from sakura_precision import ActivationCheckpoint, Compile, MixedPrecision
 from torch import nn
 
-from sakura import SakuraRuntime
+from sakura import SakuraRuntime, Service
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -110,6 +110,42 @@ def test_fp16_under_sakura_trainer_is_bit_identical_to_the_grad_scaler_loop(
     assert service.state_dict()["scaler"] == scaler.state_dict()
     assert service.skipped_steps >= 1 and service.optimizer_steps == EPOCHS * STEPS
     assert set(model.logit_dtypes) == {torch.float16}
+
+
+def test_fp16_skipped_steps_leave_the_lr_schedule_alone(tmp_path: Path) -> None:
+    """As with accelerate's own GradScaler: after an overflow the Trainer does not step its
+    LR scheduler (``accelerator.optimizer_step_was_skipped``)."""
+    total = EPOCHS * STEPS
+    settings = {"init_scale": 2.0**17, "growth_interval": 2}  # skips some steps, not all
+    model = StackForTrainer()
+    service = MixedPrecision("fp16", **settings)
+    rt = SakuraRuntime([service], strict=True)
+    seen: list[bool] = []
+
+    class Skips(Service):
+        def on_optimizer_step(self, event: Any) -> None:
+            seen.append(event.skipped)
+
+    rt.install(Skips())
+    trainer = SakuraTrainer(
+        model=model,
+        args=args(tmp_path, lr_scheduler_type="linear"),
+        train_dataset=dataset(),
+        optimizer_cls_and_kwargs=SGD,
+        runtime=rt,
+    )
+    trainer.train()
+    reference = make_model()
+    grad_scaler_loop(
+        reference,
+        make_batches(STEPS, batch=BATCH) * EPOCHS,
+        scaler=torch.amp.GradScaler("cpu", **settings),
+        schedule=lambda step: max(0.0, (total - step) / total),
+    )
+    _assert_equal(model.model, reference)
+    skipped = service.skipped_steps
+    assert 1 <= skipped < total and seen.count(True) == skipped and len(seen) == total
+    assert trainer.lr_scheduler.last_epoch == total - skipped
 
 
 def test_fp16_scaler_state_resumes_from_a_trainer_checkpoint(tmp_path: Path) -> None:
@@ -267,3 +303,22 @@ def test_compile_in_place_matches_eager(tmp_path: Path, trainer_cls: type) -> No
     ours, theirs = weights(compiled), weights(eager)
     for key in theirs:
         torch.testing.assert_close(ours[key], theirs[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("trainer_cls", [SakuraTrainer, Trainer])
+def test_transformers_torch_compile_and_the_compile_service_conflict(
+    tmp_path: Path, trainer_cls: type
+) -> None:
+    rt = SakuraRuntime([Compile()], strict=True)
+    kwargs: dict[str, Any] = {"runtime": rt} if trainer_cls is SakuraTrainer else {}
+    callbacks = [] if trainer_cls is SakuraTrainer else [HFAdapter(rt)]
+    with pytest.raises(
+        ValueError, match=r"torch_compile=True\) and the sakura service\(s\) \['compile'\]"
+    ):
+        trainer_cls(
+            model=StackForTrainer(),
+            args=args(tmp_path, torch_compile=True),
+            train_dataset=dataset(),
+            callbacks=callbacks,
+            **kwargs,
+        )

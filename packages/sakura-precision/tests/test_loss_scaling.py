@@ -46,6 +46,7 @@ def test_scale_starts_at_2_16_backs_off_on_inf_and_grows_after_the_interval() ->
                 before = weights(model)
                 momentum = optimizer.state[model.head.weight]["momentum_buffer"].clone()
             assert rt.optimizer_step(optimizer) is True  # owned, also when skipped
+            assert rt.last_step_skipped is (step == 1)
             if step == 1:
                 _assert_same_weights_dict(weights(model), before)
                 assert torch.equal(optimizer.state[model.head.weight]["momentum_buffer"], momentum)

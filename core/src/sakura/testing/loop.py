@@ -136,7 +136,14 @@ def run_tiny_loop(
             if not rt.optimizer_step(optimizer):
                 optimizer.step()
             step += 1
-            emit(OnOptimizerStep, step=step, epoch=epoch, model=model, optimizer=optimizer)
+            emit(
+                OnOptimizerStep,
+                step=step,
+                epoch=epoch,
+                model=model,
+                optimizer=optimizer,
+                skipped=rt.last_step_skipped,
+            )
             emit(OnBeforeZeroGrad, step=step, epoch=epoch, model=model, optimizer=optimizer)
             optimizer.zero_grad(set_to_none=True)
             detached = loss.detach()

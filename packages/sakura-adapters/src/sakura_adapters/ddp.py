@@ -136,9 +136,15 @@ class DDPAdapter:
         self._emit(ev.OnBeforeOptimizerStep, model=model or self.model, optimizer=optimizer)
 
     def on_optimizer_step(self, optimizer: Any, model: Any = None) -> None:
-        """Call after the optimizer stepped: counts the step and emits OnOptimizerStep."""
+        """Call after the optimizer stepped: counts the step and emits OnOptimizerStep
+        (``skipped`` from ``rt.last_step_skipped``: a service owned the step and skipped it)."""
         self.global_step += 1
-        self._emit(ev.OnOptimizerStep, model=model or self.model, optimizer=optimizer)
+        self._emit(
+            ev.OnOptimizerStep,
+            model=model or self.model,
+            optimizer=optimizer,
+            skipped=self.rt.last_step_skipped,
+        )
 
     def on_before_zero_grad(self, optimizer: Any, model: Any = None) -> None:
         self._emit(ev.OnBeforeZeroGrad, model=model or self.model, optimizer=optimizer)
@@ -157,7 +163,8 @@ class DDPAdapter:
     def step(self, optimizer: Any, model: Any = None) -> bool:
         """Emit OnBeforeOptimizerStep, offer the step to the services (``optimizer.step()``
         when none owns it), count it and emit OnOptimizerStep.  Returns True when a
-        service owned the step."""
+        service owned the step; ``rt.last_step_skipped`` then says whether it skipped it
+        (leave the LR scheduler alone then, as the Hugging Face Trainer does)."""
         model = model or self.model
         self._emit(ev.OnBeforeOptimizerStep, model=model, optimizer=optimizer)
         owned = self.rt.optimizer_step(optimizer)

@@ -133,6 +133,27 @@ _USE_TRAINER = (
 )
 
 
+def _is_compiled(model: Any) -> bool:
+    """Whether ``model`` is a ``torch.compile()``'d module or was compiled in place
+    (``nn.Module.compile()`` and sakura's Compile set ``_compiled_call_impl``)."""
+    return isinstance(model, torch._dynamo.eval_frame.OptimizedModule) or (
+        isinstance(model, nn.Module) and model.__dict__.get("_compiled_call_impl") is not None
+    )
+
+
+def _check_single_compiler(args: Any, names: tuple[str, ...], was: bool, model: Any) -> None:
+    """``TrainingArguments(torch_compile=True)`` makes accelerate compile the model that a
+    sakura ``wrap_model`` service has just compiled: a nested compile (two graphs, twice
+    the compile time, recompiles) with no benefit.  One compiler at a time."""
+    if getattr(args, "torch_compile", False) and not was and _is_compiled(model):
+        raise ValueError(
+            f"TrainingArguments(torch_compile=True) and the sakura service(s) {list(names)} "
+            f"both compile the model (the services' wrap_model compiled it); use one of them: "
+            f"drop torch_compile from the TrainingArguments (sakura's Compile takes mode, "
+            f"backend, per-block compilation and a compile cache) or uninstall the service(s)"
+        )
+
+
 def _hf_mixed_precision(args: Any, trainer: Any) -> str | None:
     for flag in ("fp16", "bf16"):
         if getattr(args, flag, False):
@@ -142,6 +163,28 @@ def _hf_mixed_precision(args: Any, trainer: Any) -> str | None:
     if mode not in (None, "no"):
         return f"accelerate's mixed_precision={mode!r}"
     return None
+
+
+def _mark_step_skipped(optimizer: Any, skipped: bool) -> bool:
+    """Tell the Trainer that a service skipped the step, the way accelerate's own loss
+    scaler does, so that it leaves the LR scheduler alone.
+
+    Right after ``optimizer.step()`` the Trainer steps the scheduler only
+    ``if not accelerator.optimizer_step_was_skipped``, which reads each
+    ``AcceleratedOptimizer.step_was_skipped`` -- its ``_is_overflow``, set by accelerate's
+    GradScaler path alone.  Our services' optimizer sits under that wrapper (SakuraTrainer's
+    step proxy), and accelerate has no scaler then, so the flag is ours to keep: set on a
+    skipped step, cleared on the next one.  Returns whether the flag could be set.
+    """
+    if (
+        isinstance(optimizer, AcceleratedOptimizer)
+        and isinstance(optimizer.optimizer, _RuntimeStepOptimizer)
+        and getattr(optimizer, "scaler", None) is None
+        and hasattr(optimizer, "_is_overflow")
+    ):
+        optimizer._is_overflow = skipped
+        return True
+    return False
 
 
 class _RuntimeStepOptimizer(torch.optim.Optimizer):
@@ -258,6 +301,7 @@ class HFAdapter(TrainerCallback):
         self._batch_idx = 0
         self._eval_idx = 0
         self._epoch_log_start = 0
+        self._marked_skip = False  # accelerate's step_was_skipped set by us, to clear
         self._step_loss: Any = None
         self._predicting = False
         self._resume_path: str | None = None
@@ -491,7 +535,9 @@ class HFAdapter(TrainerCallback):
         self._epoch = 0
         self._check_services(args)
         if self._trainer is None:
+            was = bool(getattr(args, "torch_compile", False)) and _is_compiled(model)
             self._wrap_model_in_place(model)
+            _check_single_compiler(args, self.rt.implements("wrap_model"), was, model)
             self._patch_autocast(model)
         self._emit(ev.OnSetup, state, stage="init", model=model)
 
@@ -526,6 +572,8 @@ class HFAdapter(TrainerCallback):
             model=model,
             optimizer=_service_optimizer(optimizer),
             train_loader=train_dataloader,
+            # SakuraTrainer binds itself; a callback on the stock Trainer only has its state.
+            trainer=state if self._trainer is None else self._trainer,
         )
 
     def on_train_end(
@@ -613,9 +661,19 @@ class HFAdapter(TrainerCallback):
         # contract), so it is also the moment of OnBeforeZeroGrad.
         step = state.global_step + 1
         rt = self.rt
+        skipped = rt.last_step_skipped
+        if skipped or self._marked_skip:
+            self._marked_skip = _mark_step_skipped(optimizer, skipped) and skipped
         if rt.handles(ev.OnOptimizerStep) or rt.handles(ev.OnBeforeZeroGrad):
             opt = _service_optimizer(optimizer)
-            rt.emit(ev.OnOptimizerStep, step=step, epoch=self._epoch, model=model, optimizer=opt)
+            rt.emit(
+                ev.OnOptimizerStep,
+                step=step,
+                epoch=self._epoch,
+                model=model,
+                optimizer=opt,
+                skipped=skipped,
+            )
             rt.emit(ev.OnBeforeZeroGrad, step=step, epoch=self._epoch, model=model, optimizer=opt)
 
     def on_step_end(
@@ -785,7 +843,9 @@ class SakuraTrainer(Trainer):
         rt, adapter = self.runtime, self.sakura_adapter
         names = rt.implements("wrap_model")
         if names:
+            was = bool(getattr(self.args, "torch_compile", False)) and _is_compiled(model)
             wrapped = rt.wrap_model(model)
+            _check_single_compiler(self.args, names, was, wrapped)
             if not isinstance(wrapped, nn.Module):
                 raise TypeError(
                     f"wrap_model of the sakura service(s) {list(names)} returned a "

@@ -190,6 +190,7 @@ class SakuraPrecision(Precision):
                 epoch=trainer.current_epoch,
                 model=model,
                 optimizer=optimizer,
+                skipped=self.rt.last_step_skipped,
             )
         return result
 
@@ -226,7 +227,7 @@ class LightningAdapter(Callback):
 
     # --- helpers ----------------------------------------------------------------------
 
-    def _emit(self, cls: type[ev.Event], trainer: pl.Trainer, **fields: Any) -> None:
+    def _emit(self, cls: type[ev.Event], trainer: pl.Trainer, /, **fields: Any) -> None:
         if not self.rt.handles(cls):  # skip the trainer's property chain for unhandled events
             return
         self.rt.emit(cls, step=trainer.global_step, epoch=trainer.current_epoch, **fields)
@@ -290,6 +291,7 @@ class LightningAdapter(Callback):
             model=pl_module,
             optimizer=optimizers[0] if optimizers else None,
             train_loader=trainer.train_dataloader,
+            trainer=trainer,
         )
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -132,8 +132,9 @@ class AsyncEval(Service):
         state_provider: ``state_provider(model) -> state_dict`` to snapshot instead of
             ``model.state_dict()`` (wrappers such as DDP and ``torch.compile`` are removed
             first).
-        report_to: ``"auto"`` (Lightning's trainer from the model, a Hugging Face Trainer
-            given with :meth:`attach`), ``None``/``"none"``, a ``lightning.Trainer``, a
+        report_to: ``"auto"`` (Lightning's trainer from the model; the Hugging Face
+            Trainer, or its state, from ``OnTrainBegin.trainer``; a Trainer given with
+            :meth:`attach`), ``None``/``"none"``, a ``lightning.Trainer``, a
             ``transformers.Trainer``/``TrainerState``, or a callable
             ``report(metrics, epoch, step)``.
         ranks: ``"zero"`` to evaluate on rank 0 only (DDP replicas hold the same weights),
@@ -251,8 +252,8 @@ class AsyncEval(Service):
 
     def on_train_begin(self, event: Any) -> None:
         self._remember_trainer(event.model)
-        # Forward-compatible: an adapter that puts its framework object on the event (a
-        # ``trainer`` field) lets "auto" report to a Hugging Face Trainer without attach().
+        # The Hugging Face adapter puts the Trainer (SakuraTrainer) or its TrainerState (the
+        # stock Trainer) on the event: "auto" reports there without attach().
         framework = getattr(event, "trainer", None)
         if framework is not None and self.report_to == "auto" and self._hf is None:
             from sakura_async.reporting import is_hf_target

@@ -193,6 +193,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _print_run_summary(report: dict[str, Any], path: Path) -> None:
     from rich.table import Table
+
     from sakura_bench.export import _fmt, _stat
 
     s = report["summary"]
@@ -225,6 +226,7 @@ def _print_run_summary(report: dict[str, Any], path: Path) -> None:
 
 def _cmd_compare(args: argparse.Namespace) -> int:
     from rich.table import Table
+
     from sakura_bench.compare import compare_reports
     from sakura_bench.export import _fmt, _stat
     from sakura_bench.report import load_report
@@ -236,8 +238,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     console = _console()
     table = Table(title="B against A: median (min–max) over trials")
     table.add_column("")
-    table.add_column(f"A: {result['a']['label']}")
-    table.add_column(f"B: {result['b']['label']}")
+    table.add_column(f"A: {escape(result['a']['label'])}")
+    table.add_column(f"B: {escape(result['b']['label'])}")
     table.add_column("B/A")
     for row in result["rows"]:
         scale = 1000.0 if row["key"] == "step_time_s" else 1.0
@@ -249,7 +251,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         else:
             table.add_row(title, _fmt(row["a"], 5), _fmt(row["b"], 5), ratio)
     for m in result["metrics"]:
-        table.add_row(m["metric"], _fmt(m["a"], 5), _fmt(m["b"], 5), "")
+        table.add_row(escape(m["metric"]), _fmt(m["a"], 5), _fmt(m["b"], 5), "")
     console.print(table)
     low, high = result["speedup_range"]
     console.print(
@@ -290,9 +292,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 def listing() -> dict[str, Any]:
     """Workloads, frameworks, services and dispatchers, with their providers."""
-    from sakura_bench.registry import get_registry
-
     from sakura.plugins import get_plugin_manager
+    from sakura_bench.registry import get_registry
 
     registry = get_registry()
     frameworks = []
@@ -364,12 +365,18 @@ def _cmd_list(args: argparse.Namespace) -> int:
     for w in data["workloads"]:
         if "error" in w:
             table.add_row(
-                w["name"], "–", "–", w["provided_by"], f"[red]unavailable:[/] {escape(w['error'])}"
+                escape(w["name"]),
+                "–",
+                "–",
+                escape(w["provided_by"]),
+                f"[red]unavailable:[/] {escape(w['error'])}",
             )
             continue
         scales = ", ".join(s + ("*" if s in w["gpu_scales"] else "") for s in w["scales"])
         table.add_row(
-            w["name"], ", ".join(w["frameworks"]), scales, w["provided_by"], w["description"]
+            *map(escape, (w["name"], ", ".join(w["frameworks"]), scales)),
+            escape(w["provided_by"]),
+            escape(w["description"]),
         )
     console.print(table)
     console.print("* needs a CUDA GPU")
@@ -378,10 +385,11 @@ def _cmd_list(args: argparse.Namespace) -> int:
         for column in ("name", "provided by", "description"):
             table.add_column(column, no_wrap=column != "description")
         for item in data[kind]:
-            description = item["description"]
+            # Names and descriptions are plugins' text: printed as is, never as markup.
+            description = escape(item["description"])
             if "error" in item:
                 description = f"[red]unavailable:[/] {escape(item['error'])}"
-            table.add_row(item["name"], item["provided_by"], description)
+            table.add_row(escape(item["name"]), escape(item["provided_by"]), description)
         console.print(table)
     for failure in data["failures"]:
         console.print(f"[yellow]plugin failure:[/] {escape(failure)}")
@@ -392,9 +400,8 @@ COMMANDS = {"run": _cmd_run, "compare": _cmd_compare, "export": _cmd_export, "li
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from sakura_bench.errors import TrialFailed
-
     from sakura.errors import SakuraError
+    from sakura_bench.errors import TrialFailed
 
     args = _parser().parse_args(argv)
     try:

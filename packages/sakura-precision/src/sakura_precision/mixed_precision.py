@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sakura import Service
+from sakura import STEP_SKIPPED, Service, StepSkipped
 from sakura.events import OnFitBegin, OnPredictBegin, OnTestBegin, OnTrainBegin, OnValidationBegin
 from sakura_precision._options import check_bool, check_choice, check_number, check_positive_int
 from sakura_precision.fp8 import check_fp8_hardware, convert_to_float8
@@ -390,7 +390,7 @@ class LossScaledPrecision(AutocastPrecision):
         scaler.unscale_(optimizer)
         self._unscaled.add(key)
 
-    def optimizer_step(self, optimizer: Any) -> bool:
+    def optimizer_step(self, optimizer: Any) -> bool | StepSkipped:
         scaler = self._scaler
         if scaler is None or not self._scaled:
             return False  # no scaled backward since the last step: the loop steps as usual
@@ -404,14 +404,15 @@ class LossScaledPrecision(AutocastPrecision):
             )
         scaler.step(optimizer)
         # GradScaler keeps the per-device inf/NaN flags of this optimizer until update();
-        # summing them (no host sync) records whether the step was skipped.
+        # summing them records whether the step was skipped.  scaler.step() has just read
+        # the same flags on the host to decide, so reading them again adds no stall.
         found = sum(scaler._found_inf_per_device(optimizer).values())
         skipped = torch.as_tensor(found).gt(0).to(torch.int64)
         self._last_skipped = skipped
         self._skipped = skipped if self._skipped is None else self._skipped + skipped
         self._stepped.add(key)
         self.optimizer_steps += 1
-        return True
+        return STEP_SKIPPED if bool(skipped) else True
 
     # --- state ----------------------------------------------------------------------------
 
