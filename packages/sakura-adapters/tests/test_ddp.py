@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ import torch.distributed as dist
 from sakura_adapters.ddp import DDPAdapter
 
 from sakura import OnOptimizerStep, SakuraRuntime, Service
-from sakura.testing import RecordingService
+from sakura.testing import RecordingService, launch_ranks
 
 EPOCHS, STEPS, BATCH = 2, 3, 8
 
@@ -211,48 +210,9 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str, mode: str)
         dist.destroy_process_group()
 
 
-def launch(world_size: int, out_dir: Path, mode: str, timeout: float = 120.0) -> None:
-    """Start ``world_size`` ranks as separate processes, like torchrun: the rendezvous is a
-    file and gloo talks over the loopback interface only.  A rank that dies or hangs fails
-    the test with its output instead of blocking it."""
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    init_file = out_dir / "init"
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                __file__,
-                str(rank),
-                str(world_size),
-                str(init_file),
-                str(out_dir),
-                mode,
-            ],
-            env={**env, "RANK": str(rank), "WORLD_SIZE": str(world_size)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(world_size)
-    ]
-    failures = []
-    for rank, proc in enumerate(procs):
-        try:
-            output, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for other in procs:
-                other.kill()
-            output = proc.communicate()[0]
-            failures.append(f"rank {rank} timed out after {timeout}s:\n{output}")
-            continue
-        if proc.returncode != 0:
-            failures.append(f"rank {rank} exited with {proc.returncode}:\n{output}")
-    assert not failures, "\n".join(failures)
-
-
 @pytest.mark.parametrize("mode", ["quickstart", "owned"])
 def test_two_gloo_ranks(tmp_path: Path, mode: str) -> None:
-    launch(2, tmp_path, mode)
+    launch_ranks(__file__, 2, tmp_path, mode)
     reference = reference_weights()
     for rank in (0, 1):
         seen = json.loads((tmp_path / f"rank{rank}.json").read_text())

@@ -4,7 +4,6 @@ and 2 gloo ranks launched as separate processes, like torchrun."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from precision_helpers import grad_scaler_loop, loss_fn, make_batches, make_mode
 from sakura_precision import ActivationCheckpoint, Compile, MixedPrecision
 
 from sakura import SakuraRuntime
+from sakura.testing import launch_ranks
 
 pytest.importorskip("sakura_adapters")
 from sakura_adapters.ddp import DDPAdapter
@@ -116,44 +116,8 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def launch(world_size: int, out_dir: Path, timeout: float = 240.0) -> None:
-    """Start the ranks as separate processes (file rendezvous, gloo on loopback only); a
-    rank that dies or hangs fails the test with its output."""
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                __file__,
-                str(rank),
-                str(world_size),
-                str(out_dir / "init"),
-                str(out_dir),
-            ],
-            env={**env, "RANK": str(rank), "WORLD_SIZE": str(world_size)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(world_size)
-    ]
-    failures = []
-    for rank, proc in enumerate(procs):
-        try:
-            output, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for other in procs:
-                other.kill()
-            output = proc.communicate()[0]
-            failures.append(f"rank {rank} timed out after {timeout}s:\n{output}")
-            continue
-        if proc.returncode != 0:
-            failures.append(f"rank {rank} exited with {proc.returncode}:\n{output}")
-    assert not failures, "\n".join(failures)
-
-
 def test_two_gloo_ranks(tmp_path: Path) -> None:
-    launch(2, tmp_path)
+    launch_ranks(__file__, 2, tmp_path, timeout=240)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
     for mode in MODES:
         ref = weights(reference(mode))

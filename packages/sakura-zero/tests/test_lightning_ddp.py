@@ -6,7 +6,6 @@ Lightning does not re-run pytest to create its own.  One launch trains every var
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -17,11 +16,9 @@ import torch
 pytest.importorskip("lightning.pytorch")
 pytest.importorskip("sakura_adapters.lightning")
 
+from sakura.testing import launch_ranks
+
 HERE = Path(__file__).parent
-spec = importlib.util.spec_from_file_location("_zero_launch_l", HERE / "_launch.py")
-assert spec is not None and spec.loader is not None
-_launch_module = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(_launch_module)
 
 TORCHRUN_ENV = {
     "TORCHELASTIC_RUN_ID": "sakura-zero-test",  # Lightning: processes are created externally
@@ -37,7 +34,7 @@ TORCHRUN_ENV = {
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("zero-lightning")
-    _launch_module.launch(HERE / "_lightning_worker.py", 2, out, timeout=240, env=TORCHRUN_ENV)
+    launch_ranks(HERE / "_lightning_worker.py", 2, out, timeout=240, env=TORCHRUN_ENV)
     return out
 
 

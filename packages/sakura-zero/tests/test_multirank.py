@@ -16,14 +16,10 @@ from typing import Any
 import pytest
 import torch
 
+from sakura.testing import launch_ranks
+
 HERE = Path(__file__).parent
 WORKER = HERE / "_multirank_worker.py"
-
-spec = importlib.util.spec_from_file_location("_zero_launch", HERE / "_launch.py")
-assert spec is not None and spec.loader is not None
-_launch_module = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(_launch_module)
-launch = _launch_module.launch
 
 IDENTITY_CASES = [
     f"{opt}/{mode}"
@@ -39,13 +35,13 @@ def _records(out: Path, phase: str, world: int) -> list[list[dict[str, Any]]]:
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("zero-ws2")
-    launch(WORKER, 2, out, "main,flows,save", timeout=180)
+    launch_ranks(WORKER, 2, out, "main,flows,save", timeout=180)
     return out
 
 
 @pytest.fixture(scope="module")
 def three_ranks(two_ranks: Path) -> Path:
-    launch(WORKER, 3, two_ranks, "resume,main", timeout=240, init_name="init3")
+    launch_ranks(WORKER, 3, two_ranks, "resume,main", timeout=240, init_name="init3")
     return two_ranks
 
 

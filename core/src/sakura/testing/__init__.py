@@ -1,5 +1,6 @@
 """Test helpers for sakura plugin authors: a recording service, a tiny training loop
-driven through the runtime, and conformance checks (see :mod:`sakura.testing.conformance`).
+driven through the runtime, conformance checks (see :mod:`sakura.testing.conformance`) and
+a launcher of N ranks as separate processes (:func:`launch_ranks`).
 
 The pytest fixtures live in :mod:`sakura.testing.pytest_plugin`, which pytest loads
 automatically through its ``pytest11`` entry point.
@@ -16,9 +17,11 @@ from sakura.testing.conformance import (
     check_no_work_on_unhandled_events,
     check_state_round_trip,
 )
+from sakura.testing.ranks import RanksFailed, launch_ranks
 from sakura.testing.recording import RecordingService
 
 __all__ = [
+    "RanksFailed",
     "RecordingService",
     "ServiceConformance",
     "TinyLoopResult",
@@ -27,6 +30,7 @@ __all__ = [
     "check_no_work_on_unhandled_events",
     "check_state_round_trip",
     "expected_event_names",
+    "launch_ranks",
     "run_tiny_loop",
 ]
 

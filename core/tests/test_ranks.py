@@ -1,0 +1,83 @@
+"""sakura.testing.launch_ranks: N worker processes with torchrun's environment; a failing
+or hanging rank fails the launch promptly with every rank's output."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from sakura.testing import RanksFailed, launch_ranks
+
+WORKER = """
+import json, os, sys, time
+rank, world, init_file, out_dir, mode = sys.argv[1:6]
+env = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GLOO_SOCKET_IFNAME",
+                                  "OMP_NUM_THREADS", "EXTRA")}
+print(f"hello from rank {rank}")
+if mode == "fail" and rank == "1":
+    raise SystemExit("rank 1 gives up")
+if mode == "hang" or (mode == "fail" and rank == "0"):
+    time.sleep(60)  # waits as a rank in a collective with a dead peer would
+with open(os.path.join(out_dir, f"out{rank}.json"), "w") as f:
+    json.dump({"argv": [rank, world, init_file], "env": env}, f)
+"""
+
+
+@pytest.fixture
+def worker(tmp_path: Path) -> Path:
+    path = tmp_path / "worker.py"
+    path.write_text(WORKER)
+    return path
+
+
+def test_ranks_get_torchrun_environment_and_arguments(worker: Path, tmp_path: Path) -> None:
+    import json
+
+    out = tmp_path / "out"
+    outputs = launch_ranks(worker, 3, out, "ok", env={"EXTRA": "x"})
+    assert [o.strip() for o in outputs] == [f"hello from rank {r}" for r in range(3)]
+    for rank in range(3):
+        got = json.loads((out / f"out{rank}.json").read_text())
+        assert got["argv"] == [str(rank), "3", str(out / "init")]
+        assert got["env"] == {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "3",
+            "GLOO_SOCKET_IFNAME": "lo",
+            "OMP_NUM_THREADS": "1",
+            "EXTRA": "x",
+        }
+        assert (out / f"rank{rank}.log").read_text().strip() == f"hello from rank {rank}"
+
+
+def test_a_failing_rank_stops_the_others_at_once(worker: Path, tmp_path: Path) -> None:
+    start = time.monotonic()
+    with pytest.raises(RanksFailed) as info:
+        launch_ranks(worker, 2, tmp_path / "out", "fail", timeout=50)
+    assert time.monotonic() - start < 40  # not the 60 s rank 0 would sleep, nor the timeout
+    message = str(info.value)
+    assert message.startswith("rank 1 exited with 1")
+    assert "rank 1 gives up" in message and "hello from rank 0" in message
+    assert "--- rank 0 (signal 9) ---" in message
+    assert isinstance(info.value, AssertionError)
+
+
+def test_a_hanging_rank_times_out(worker: Path, tmp_path: Path) -> None:
+    with pytest.raises(RanksFailed, match=r"rank\(s\) \[0, 1\] did not finish within 1 s"):
+        launch_ranks(worker, 2, tmp_path / "out", "hang", timeout=1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"world_size": 0}, "world_size must be an integer >= 1, got 0"),
+        ({"world_size": True}, "world_size must be an integer >= 1, got True"),
+        ({"world_size": 2, "timeout": 0}, "timeout must be a positive number of seconds, got 0"),
+    ],
+)
+def test_bad_arguments(worker: Path, tmp_path: Path, kwargs: dict, message: str) -> None:
+    world_size = kwargs.pop("world_size")
+    with pytest.raises(ValueError, match=message):
+        launch_ranks(worker, world_size, tmp_path, **kwargs)
