@@ -104,6 +104,17 @@ class TaskFuture(concurrent.futures.Future):  # type: ignore[type-arg]
         except concurrent.futures.InvalidStateError:
             pass
 
+    def _finish_outcome(self, body: Any, where: str) -> None:
+        """Complete the future from a worker's encoded RESULT body (see
+        :func:`sakura_async.wire.tasks.decode_outcome`)."""
+        from sakura_async.wire.tasks import decode_outcome
+
+        ok, value, run_s = decode_outcome(body, where)
+        if ok:
+            self._finish(result=value, run_s=run_s)
+        else:
+            self._finish(error=value, run_s=run_s)
+
     def __repr__(self) -> str:
         state = "pending"
         if self.done():

@@ -27,7 +27,6 @@ from typing import Any
 from sakura_async._options import check_int
 from sakura_async.dispatch.base import Dispatcher, TaskFuture
 from sakura_async.wire.serialize import Encoder
-from sakura_async.wire.tasks import decode_outcome
 
 __all__ = ["ClusterDispatcher"]
 
@@ -168,11 +167,7 @@ class ClusterDispatcher(Dispatcher):
             except BaseException as exc:  # KilledWorker, a cancelled future...
                 future._finish(error=exc)
                 return
-            ok, value, run_s = decode_outcome(outcome, "a Dask worker")
-            if ok:
-                future._finish(result=value, run_s=run_s)
-            else:
-                future._finish(error=value, run_s=run_s)
+            future._finish_outcome(outcome, "a Dask worker")
 
         # Dask runs callbacks on its event loop; result() of a finished future is immediate
         # there, but a slow one would stall the loop, so hand it to a thread.

@@ -39,7 +39,6 @@ from sakura_async.errors import WorkerCrashed
 from sakura_async.wire.channel import MAX_FDS, Channel, ChannelClosed, Kind
 from sakura_async.wire.serialize import Encoder
 from sakura_async.wire.shm import Segment
-from sakura_async.wire.tasks import decode_outcome
 
 __all__ = ["LocalDispatcher"]
 
@@ -377,12 +376,8 @@ class LocalDispatcher(Dispatcher):
                     if entry is None:
                         continue
                     future, transient = entry
-                    ok, value, run_s = decode_outcome(body, where)
-                    self._return_transient(transient)
-                    if ok:
-                        future._finish(result=value, run_s=run_s)
-                    else:
-                        future._finish(error=value, run_s=run_s)
+                    self._return_transient(transient)  # before waking the caller up
+                    future._finish_outcome(body, where)
         except ChannelClosed:
             pass
         except Exception as exc:  # a protocol error: treat the worker as crashed

@@ -35,7 +35,6 @@ from sakura_async.errors import AuthenticationError, WorkerCrashed
 from sakura_async.wire.auth import client_handshake, is_loopback, read_token
 from sakura_async.wire.channel import Channel, ChannelClosed, Kind
 from sakura_async.wire.serialize import Encoder
-from sakura_async.wire.tasks import decode_outcome
 
 __all__ = ["RemoteDispatcher"]
 
@@ -239,11 +238,7 @@ class RemoteDispatcher(Dispatcher):
                         future = conn.inflight.pop(task_id, None)
                     if future is None:
                         continue
-                    ok, value, run_s = decode_outcome(body, conn.where)
-                    if ok:
-                        future._finish(result=value, run_s=run_s)
-                    else:
-                        future._finish(error=value, run_s=run_s)
+                    future._finish_outcome(body, conn.where)
         except ChannelClosed:
             pass
         except Exception as exc:
