@@ -325,7 +325,8 @@ class HFAdapter(TrainerCallback):
         self._trainer_ref = weakref.ref(trainer)
 
     def _emit(self, cls: type[ev.Event], state: Any, **fields: Any) -> None:
-        self.rt.emit(cls, step=state.global_step, epoch=self._epoch, **fields)
+        if self.rt.handles(cls):  # unhandled events cost one lookup, nothing is built
+            self.rt.emit(cls, step=state.global_step, epoch=self._epoch, **fields)
 
     def _set_rank(self, args: Any) -> None:
         self.rt.rank = int(args.process_index)
@@ -885,8 +886,10 @@ class SakuraTrainer(Trainer):
 
     # --- forward, backward, clipping ----------------------------------------------------
 
-    def compute_loss_context_manager(self) -> contextlib.ExitStack:  # type: ignore[override]
+    def compute_loss_context_manager(self) -> Any:
         """The Trainer's contexts plus ``rt.autocast()`` (training and evaluation)."""
+        if not self.runtime.implements("autocast"):  # nothing to add: no ExitStack per step
+            return super().compute_loss_context_manager()
         stack = contextlib.ExitStack()
         stack.enter_context(super().compute_loss_context_manager())
         stack.enter_context(self.runtime.autocast())
