@@ -5,14 +5,18 @@
 #   bash benchmarks/reference_cpu.sh [OUTPUT_DIR]        (default: reports/reference-cpu)
 #
 # Environment: TRIALS (default 7; the overhead pair uses 20 as the reference does),
-# THREADS (default 2, the reference's OMP_NUM_THREADS=2).  Workloads whose full size needs
-# a CUDA GPU run at --scale small here.  Needs sakura-bench with the lightning and hf
-# extras, sakura-async and sakura-precision installed (`nox -s bench` does all of it).
+# THREADS (torch threads per process, default 1).  The reference ran with
+# OMP_NUM_THREADS=2 on a machine of its own; on two cores shared with anything else, two
+# OpenMP threads per process wait on each other and one trial in five takes 2-5x longer,
+# which drowns every comparison, so one thread is the default here (THREADS=2 to follow
+# the reference exactly).  Workloads whose full size needs a CUDA GPU run at --scale small.
+# Needs sakura-bench with the lightning and hf extras, sakura-async and sakura-precision
+# installed (`nox -s bench` installs all of it).
 set -euo pipefail
 
 out="${1:-reports/reference-cpu}"
 trials="${TRIALS:-7}"
-threads="${THREADS:-2}"
+threads="${THREADS:-1}"
 mkdir -p "$out"
 
 run() {  # run NAME ARGS...: one sakura-bench run into its own folder

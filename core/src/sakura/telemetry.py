@@ -42,6 +42,8 @@ _SKIP = frozenset(
     }
 )
 _SCALARS = (bool, int, float, str, type(None))
+# One encoder for every line: json.dumps(..., default=str) builds a new one per call.
+_ENCODE = json.JSONEncoder(default=str).encode
 
 
 _RENAMED = {"event": "failed_event"}  # OnError.event would clash with the line's "event" key
@@ -222,7 +224,7 @@ class Telemetry(Service):
                 self._last["loss"] = values["loss"]
             if values.get("metrics"):
                 self._last.setdefault("metrics", {}).update(values["metrics"])
-            lines.append(json.dumps(record, default=str))
+            lines.append(_ENCODE(record))
         self._file.write("\n".join(lines) + "\n")
         self._file.flush()
 
