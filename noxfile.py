@@ -10,15 +10,16 @@ Sessions (``nox -l`` lists them; ``nox`` alone runs ``lint`` and ``tests``):
 - ``integration`` builds everything (plus ``tests-integration/*/`` projects), installs the
                   wheels into a fresh ``python -m venv`` as a user would, and runs
                   ``tests-integration/`` with that environment's pytest, away from the sources.
-- ``demo``        the main job: in a ``tests``-like environment, ``sakura-bench`` runs the
-                  ``mnist-mlp-multi`` workload through the vanilla PyTorch loop and through
-                  sakura with ``AsyncEval`` on a worker process, prints the comparison and
-                  exports it (Markdown, PNG, HTML) under ``reports/demo/``.
+- ``demo``        the main job: in a ``tests``-like environment, ``sakura-bench pair`` runs
+                  the ``mnist-mlp-multi`` workload through the vanilla PyTorch loop and
+                  through sakura with ``AsyncEval`` on a worker process (trials interleaved),
+                  prints the comparison and exports it (Markdown, PNG, HTML) under
+                  ``reports/demo/``.
 - ``bench``       every ``benchmarks/*.py`` and ``benchmarks/*.sh`` in a ``tests``-like
                   environment.
 
 Arguments after ``--`` are forwarded: to pytest (``tests``, ``integration``), to both
-``sakura-bench run`` calls (``demo``, e.g. ``-- --trials 9``) or to the scripts (``bench``).
+``sakura-bench pair`` (``demo``, e.g. ``-- --trials 9``) or to the scripts (``bench``).
 
 torch is always pinned to the build that is on the machines (``TORCH_PIN``), through a
 constraints file given to every pip call, so no resolver ever picks an unpinned torch.
@@ -320,11 +321,17 @@ def demo(session: nox.Session) -> None:
     the evaluation worker each have a core; every trial is a fresh process."""
     install_workspace(session)
     shutil.rmtree(DEMO_REPORTS, ignore_errors=True)
-    common = [
+    # `pair` runs the baseline and the sakura trials alternately (A B, B A, ...), each in a
+    # fresh process, writes both reports and prints their comparison.
+    session.run(
+        "sakura-bench",
+        "pair",
         "--workload",
         "mnist-mlp-multi",
         "--framework",
         "pytorch-ddp",
+        "--service",
+        "async_eval:process",
         "--threads",
         "1",
         "--trials",
@@ -332,16 +339,11 @@ def demo(session: nox.Session) -> None:
         "--output",
         str(DEMO_REPORTS),
         *session.posargs,  # later options win: `nox -s demo -- --trials 9`
-    ]
-    session.run("sakura-bench", "run", "--runner", "baseline", *common)
-    session.run(
-        "sakura-bench", "run", "--runner", "sakura", "--service", "async_eval:process", *common
     )
     reports = [
         str(DEMO_REPORTS / f"mnist-mlp-multi-{runner}-pytorch-ddp.json")
         for runner in ("baseline", "sakura")
     ]
-    session.run("sakura-bench", "compare", *reports)
     session.run("sakura-bench", "export", *reports, "--output", str(DEMO_REPORTS / "export"))
 
 

@@ -10,6 +10,7 @@ import struct
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sakura_bench.cli import main
@@ -265,3 +266,50 @@ def test_two_ranks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         assert report["settings"]["nproc"] == 2
     for key, value in base["summary"]["final_metrics"].items():
         assert sak["summary"]["final_metrics"][key] == pytest.approx(value, rel=1e-6)
+
+
+def test_pair_interleaves_the_trials_and_compares(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sakura_bench import runner
+
+    order: list[tuple[str, int]] = []
+    real = runner._run_one
+
+    def recording(run: Any, i: int, on_progress: Any) -> dict[str, Any]:
+        order.append((run.options.config.runner, i))
+        return real(run, i, on_progress)
+
+    monkeypatch.setattr(runner, "_run_one", recording)
+    argv = ["pair", "--scale", "tiny", "--in-process", "--output", str(tmp_path),
+            "--workload", "mnist-mlp", "--framework", "pytorch-ddp",
+            "--service", "telemetry:path=" + str(tmp_path / "t.jsonl"), "--trials", "3",
+            "--epochs", "1"]  # fmt: skip
+    assert main(argv) == 0
+    # A B, B A, A B: drift and order effects fall on both sides alike
+    assert order == [("baseline", 0), ("sakura", 0), ("sakura", 1), ("baseline", 1),
+                     ("baseline", 2), ("sakura", 2)]  # fmt: skip
+    base = json.loads((tmp_path / "mnist-mlp-baseline-pytorch-ddp.json").read_text())
+    sak = json.loads((tmp_path / "mnist-mlp-sakura-pytorch-ddp.json").read_text())
+    schedule = "interleaved: baseline | sakura telemetry:path=" + str(tmp_path / "t.jsonl")
+    assert base["settings"]["schedule"] == sak["settings"]["schedule"] == schedule
+    assert [len(base["trials"]), len(sak["trials"])] == [3, 3]
+    assert base["services"] == [] and len(sak["services"]) == 1
+    assert base["summary"]["final_metrics"] == sak["summary"]["final_metrics"]
+    out = capsys.readouterr().out
+    assert "B against A" in out and "speed-up of B over A (wall time)" in out
+
+
+def test_pair_validates_both_sides_before_running(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["pair", "--scale", "tiny", "--in-process", "--output", str(tmp_path),
+            "--workload", "mnist-mlp", "--framework", "pytorch-ddp", "--service", "telemetr"]  # fmt: skip
+    assert main(argv) == 2
+    assert "unknown service 'telemetr'" in capsys.readouterr().err
+    assert not list(tmp_path.glob("*.json"))
+
+
+def test_run_reports_say_they_ran_sequentially(reports: Path) -> None:
+    for path in reports.glob("*.json"):
+        assert json.loads(path.read_text())["settings"]["schedule"] == "sequential"

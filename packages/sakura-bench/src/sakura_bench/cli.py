@@ -4,6 +4,8 @@
                      --output DIR [--trials N] [--epochs N] [--seed S] [--threads T]
                      [--scale tiny|small|full] [--data DIR] [--device auto|cpu|cuda]
                      [--warmup-steps N] [--nproc N] [--in-process] [--quiet]
+    sakura-bench pair --workload W --framework F [--service SPEC ...] --output DIR [...]
+                      (the baseline and sakura runs, trials interleaved, then compared)
     sakura-bench compare A.json B.json [--json]
     sakura-bench export reports/*.json [--output DIR]
     sakura-bench list [--json]
@@ -15,15 +17,57 @@ value or file, which the message explains).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from rich.markup import escape
 
 __all__ = ["main"]
+
+
+def _add_trial_options(parser: argparse.ArgumentParser, service_help: str) -> None:
+    """The options that say what a trial runs (``run`` and ``pair``)."""
+    parser.add_argument("--workload", required=True, help="a workload name (sakura-bench list)")
+    parser.add_argument(
+        "--framework", required=True, help="pytorch-ddp, lightning, hf-trainer, ..."
+    )
+    parser.add_argument(
+        "--service",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help=f"a service spec {service_help} (repeatable): telemetry, async_eval:thread, "
+        "async_eval:process, mixed_precision:bf16, ...",
+    )
+    parser.add_argument(
+        "--output", default="reports", help="folder of the report (default: reports)"
+    )
+    parser.add_argument(
+        "--trials", type=int, default=5, help="trials, each in a fresh process (default 5)"
+    )
+    parser.add_argument("--epochs", type=int, default=None, help="epochs (default: the workload's)")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of data, model and order (default 0)"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (and OMP/MKL) per process"
+    )
+    parser.add_argument("--scale", default="full", help="tiny, small or full (default full)")
+    parser.add_argument(
+        "--data", default=None, metavar="DIR", help="read the real dataset files from DIR"
+    )
+    parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda")
+    parser.add_argument(
+        "--warmup-steps", type=int, default=5, help="steps left out of the step time (default 5)"
+    )
+    parser.add_argument("--nproc", type=int, default=1, help="ranks per trial (pytorch-ddp only)")
+    parser.add_argument(
+        "--in-process", action="store_true", help="run the trials in this process (debugging)"
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,43 +79,20 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = sub.add_parser("run", help="run a workload and write a RunReport JSON")
-    run.add_argument("--workload", required=True, help="a workload name (sakura-bench list)")
     run.add_argument("--runner", required=True, help="baseline (vanilla loop) or sakura")
-    run.add_argument("--framework", required=True, help="pytorch-ddp, lightning, hf-trainer, ...")
-    run.add_argument(
-        "--service",
-        action="append",
-        default=[],
-        metavar="SPEC",
-        help="a service spec for --runner sakura (repeatable): telemetry, async_eval:thread, "
-        "async_eval:process, mixed_precision:bf16, ...",
+    _add_trial_options(run, "for --runner sakura")
+    pair = sub.add_parser(
+        "pair",
+        help="the baseline and sakura runs with their trials interleaved, then compared",
+        description="Run --runner baseline and --runner sakura (with the --service specs) "
+        "alternately, trial by trial (A B, B A, ...), so that a shared machine's drift lands "
+        "on both sides alike; write both reports and print their comparison.",
     )
-    run.add_argument("--output", default="reports", help="folder of the report (default: reports)")
-    run.add_argument(
-        "--trials", type=int, default=5, help="trials, each in a fresh process (default 5)"
-    )
-    run.add_argument("--epochs", type=int, default=None, help="epochs (default: the workload's)")
-    run.add_argument(
-        "--seed", type=int, default=0, help="seed of data, model and order (default 0)"
-    )
-    run.add_argument(
-        "--threads", type=int, default=None, help="torch threads (and OMP/MKL) per process"
-    )
-    run.add_argument("--scale", default="full", help="tiny, small or full (default full)")
-    run.add_argument(
-        "--data", default=None, metavar="DIR", help="read the real dataset files from DIR"
-    )
-    run.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda")
-    run.add_argument(
-        "--warmup-steps", type=int, default=5, help="steps left out of the step time (default 5)"
-    )
-    run.add_argument("--nproc", type=int, default=1, help="ranks per trial (pytorch-ddp only)")
-    run.add_argument(
-        "--in-process", action="store_true", help="run the trials in this process (debugging)"
-    )
-    run.add_argument(
-        "--quiet", action="store_true", help="no progress or summary; print the report path"
-    )
+    _add_trial_options(pair, "of the sakura side")
+    for sub_parser in (run, pair):
+        sub_parser.add_argument(
+            "--quiet", action="store_true", help="no progress or summary; print the report path"
+        )
 
     compare = sub.add_parser("compare", help="compare two reports (B against A)")
     compare.add_argument("a", metavar="A.json")
@@ -102,15 +123,14 @@ def _console(stderr: bool = False) -> Any:
 # --- run ----------------------------------------------------------------------------------
 
 
-def _cmd_run(args: argparse.Namespace) -> int:
-    from sakura_bench.runner import RunOptions, execute, validate
+def _trial_config(args: argparse.Namespace, runner: str, services: list[str]) -> Any:
     from sakura_bench.trial import TrialConfig
 
-    config = TrialConfig(
+    return TrialConfig(
         workload=args.workload,
-        runner=args.runner,
+        runner=runner,
         framework=args.framework,
-        services=list(args.service),
+        services=services,
         epochs=args.epochs,
         seed=args.seed,
         scale=args.scale,
@@ -119,19 +139,32 @@ def _cmd_run(args: argparse.Namespace) -> int:
         device=args.device,
         warmup_steps=args.warmup_steps,
     )
+
+
+def _validated(args: argparse.Namespace, runner: str, services: list[str]) -> Any:
+    from sakura_bench.runner import RunOptions, validate
+
     options = RunOptions(
-        config=config,
+        config=_trial_config(args, runner, services),
         output=Path(args.output),
         trials=args.trials,
         nproc=args.nproc,
         in_process=args.in_process,
     )
-    run = validate(options)
-    if args.quiet:
-        path, _ = execute(run)
-        print(path)
-        return 0
+    return validate(options)
 
+
+def _label(run: Any) -> str:
+    c = run.options.config
+    return " · ".join([c.workload, c.runner, c.framework, *c.services])
+
+
+@contextlib.contextmanager
+def _trial_progress(
+    title: str, total_epochs: int
+) -> Iterator[tuple[Callable[[str], None], Callable[[dict[str, Any]], None], Callable[..., None]]]:
+    """A rich progress bar over epochs (on stderr; off when it is not a terminal) and the
+    three callbacks of the runner: a trial starts, a trial reports progress, a trial ends."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -142,14 +175,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     )
 
     err = _console(stderr=True)
-    total = options.trials * run.epochs
-    what = f"{config.workload} · {config.runner} · {config.framework}"
-    if config.services:
-        what += " · " + " ".join(config.services)
-    what = escape(what)
-    err.print(
-        f"[bold]sakura-bench run[/] {what}: {options.trials} trial(s) × {run.epochs} epoch(s)"
-    )
+    err.print(title)
     with Progress(
         SpinnerColumn(),
         TextColumn("{task.description}"),
@@ -160,34 +186,88 @@ def _cmd_run(args: argparse.Namespace) -> int:
         console=err,
         disable=not err.is_terminal,
     ) as progress:
-        task = progress.add_task("starting", total=total)
+        task = progress.add_task("starting", total=total_epochs)
+        finished_epochs = [0]
 
-        def on_start(i: int) -> None:
-            progress.update(task, description=f"trial {i + 1}/{options.trials}")
+        def on_start(description: str) -> None:
+            progress.update(task, description=escape(description))
 
         def on_progress(info: dict[str, Any]) -> None:
             if info.get("event") == "epoch":
                 progress.advance(task)
 
-        def on_end(i: int, result: dict[str, Any]) -> None:
-            done = (i + 1) * run.epochs
-            progress.update(task, completed=done)
+        def on_end(what: str, result: dict[str, Any], epochs: int) -> None:
+            finished_epochs[0] += epochs
+            progress.update(task, completed=finished_epochs[0])
             step = result.get("step_time_s") or {}
             metrics = ", ".join(
                 f"{k} {v:.4g}" for k, v in (result.get("final_metrics") or {}).items()
             )
             progress.console.print(
-                f"  trial {i + 1}/{options.trials}: wall {result['wall_s']:.3f} s, step "
+                f"  {escape(what)}: wall {result['wall_s']:.3f} s, step "
                 f"{step.get('median', float('nan')) * 1000:.2f} ms, {metrics or 'no metrics'}"
                 f" (process {result['process_s']:.1f} s)"
             )
             for error in result.get("errors", []):
                 progress.console.print(f"  [yellow]warning:[/] {escape(error)}")
 
+        yield on_start, on_progress, on_end
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from sakura_bench.runner import execute
+
+    run = _validated(args, args.runner, list(args.service))
+    if args.quiet:
+        path, _ = execute(run)
+        print(path)
+        return 0
+    trials = run.options.trials
+    title = (
+        f"[bold]sakura-bench run[/] {escape(_label(run))}: {trials} trial(s) × "
+        f"{run.epochs} epoch(s)"
+    )
+    with _trial_progress(title, trials * run.epochs) as (start, advance, end):
         path, report = execute(
-            run, on_trial_start=on_start, on_progress=on_progress, on_trial_end=on_end
+            run,
+            on_trial_start=lambda i: start(f"trial {i + 1}/{trials}"),
+            on_progress=advance,
+            on_trial_end=lambda i, r: end(f"trial {i + 1}/{trials}", r, run.epochs),
         )
     _print_run_summary(report, path)
+    return 0
+
+
+# --- pair ---------------------------------------------------------------------------------
+
+
+def _cmd_pair(args: argparse.Namespace) -> int:
+    from sakura_bench.runner import execute_interleaved
+
+    runs = [
+        _validated(args, "baseline", []),
+        _validated(args, "sakura", list(args.service)),
+    ]
+    if args.quiet:
+        for path, _ in execute_interleaved(runs):
+            print(path)
+        return 0
+    trials, epochs = runs[0].options.trials, runs[0].epochs
+    sides = ("A", "B")
+    title = (
+        f"[bold]sakura-bench pair[/] A: {escape(_label(runs[0]))}, B: {escape(_label(runs[1]))}"
+        f": {trials} trial(s) each, interleaved (A B, B A, ...), × {epochs} epoch(s)"
+    )
+    with _trial_progress(title, 2 * trials * epochs) as (start, advance, end):
+        written = execute_interleaved(
+            runs,
+            on_trial_start=lambda k, i: start(f"{sides[k]} trial {i + 1}/{trials}"),
+            on_progress=advance,
+            on_trial_end=lambda k, i, r: end(f"{sides[k]} trial {i + 1}/{trials}", r, epochs),
+        )
+    for side, (path, _) in zip(sides, written, strict=True):
+        _console().print(f"{side}: {escape(str(path))}")
+    _print_comparison(str(written[0][0]), str(written[1][0]), as_json=False)
     return 0
 
 
@@ -225,16 +305,21 @@ def _print_run_summary(report: dict[str, Any], path: Path) -> None:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
+    _print_comparison(args.a, args.b, as_json=args.json)
+    return 0
+
+
+def _print_comparison(a: str, b: str, *, as_json: bool) -> None:
     from rich.table import Table
 
     from sakura_bench.compare import compare_reports
     from sakura_bench.export import _fmt, _stat
     from sakura_bench.report import load_report
 
-    result = compare_reports(load_report(args.a), load_report(args.b))
-    if args.json:
+    result = compare_reports(load_report(a), load_report(b))
+    if as_json:
         print(json.dumps(result, indent=2))
-        return 0
+        return
     console = _console()
     table = Table(title="B against A: median (min–max) over trials")
     table.add_column("")
@@ -271,7 +356,6 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     for side in ("a", "b"):
         for error in result["errors"][side]:
             console.print(f"[yellow]{side.upper()} reported:[/] {escape(error)}")
-    return 0
 
 
 # --- export ---------------------------------------------------------------------------------
@@ -396,7 +480,13 @@ def _cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"run": _cmd_run, "compare": _cmd_compare, "export": _cmd_export, "list": _cmd_list}
+COMMANDS = {
+    "run": _cmd_run,
+    "pair": _cmd_pair,
+    "compare": _cmd_compare,
+    "export": _cmd_export,
+    "list": _cmd_list,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

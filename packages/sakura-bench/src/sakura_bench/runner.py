@@ -20,7 +20,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ from typing import Any
 from sakura_bench.errors import BenchError, TrialFailed
 from sakura_bench.trial import PROGRESS_PREFIX, RUNNERS, TrialConfig
 
-__all__ = ["RunOptions", "ValidatedRun", "execute", "validate"]
+__all__ = ["RunOptions", "ValidatedRun", "execute", "execute_interleaved", "validate"]
 
 Progress = Callable[[dict[str, Any]], None]
 
@@ -218,33 +218,27 @@ def spawn_trial(config: TrialConfig, nproc: int, progress: Progress | None) -> d
         return result
 
 
-def execute(
-    run: ValidatedRun,
-    *,
-    on_trial_start: Callable[[int], None] | None = None,
-    on_progress: Progress | None = None,
-    on_trial_end: Callable[[int, dict[str, Any]], None] | None = None,
-) -> tuple[Path, dict[str, Any]]:
-    """Run the trials and write the report; return its path and contents."""
-    from sakura_bench.report import build_report, report_filename, write_report
+def _run_one(run: ValidatedRun, i: int, on_progress: Progress | None) -> dict[str, Any]:
+    """Trial ``i`` of ``run``: in this process or, normally, in a fresh one."""
     from sakura_bench.trial import run_trial
 
     options = run.options
+    config = replace(options.config, trial=i)
+    if options.in_process:
+        started = time.perf_counter()
+        result = run_trial(config, progress=on_progress)
+        result["process_s"] = time.perf_counter() - started
+        return result
+    return spawn_trial(config, options.nproc, on_progress)
+
+
+def _write(
+    run: ValidatedRun, results: list[dict[str, Any]], schedule: str
+) -> tuple[Path, dict[str, Any]]:
+    from sakura_bench.report import build_report, report_filename, write_report
+
+    options = run.options
     c = options.config
-    results = []
-    for i in range(options.trials):
-        config = replace(c, trial=i)
-        if on_trial_start is not None:
-            on_trial_start(i)
-        if options.in_process:
-            started = time.perf_counter()
-            result = run_trial(config, progress=on_progress)
-            result["process_s"] = time.perf_counter() - started
-        else:
-            result = spawn_trial(config, options.nproc, on_progress)
-        results.append(result)
-        if on_trial_end is not None:
-            on_trial_end(i, result)
     settings = {
         "trials": options.trials,
         "epochs": run.epochs,
@@ -256,6 +250,7 @@ def execute(
         "warmup_steps": c.warmup_steps,
         "isolation": "in-process" if options.in_process else "process per trial",
         "nproc": options.nproc,
+        "schedule": schedule,
     }
     report = build_report(
         workload=c.workload,
@@ -268,3 +263,54 @@ def execute(
     )
     path = write_report(report, options.output / report_filename(c.workload, c.runner, c.framework))
     return path, report
+
+
+def execute(
+    run: ValidatedRun,
+    *,
+    on_trial_start: Callable[[int], None] | None = None,
+    on_progress: Progress | None = None,
+    on_trial_end: Callable[[int, dict[str, Any]], None] | None = None,
+) -> tuple[Path, dict[str, Any]]:
+    """Run the trials and write the report; return its path and contents."""
+    results = []
+    for i in range(run.options.trials):
+        if on_trial_start is not None:
+            on_trial_start(i)
+        result = _run_one(run, i, on_progress)
+        results.append(result)
+        if on_trial_end is not None:
+            on_trial_end(i, result)
+    return _write(run, results, "sequential")
+
+
+def execute_interleaved(
+    runs: Sequence[ValidatedRun],
+    *,
+    on_trial_start: Callable[[int, int], None] | None = None,
+    on_progress: Progress | None = None,
+    on_trial_end: Callable[[int, int, dict[str, Any]], None] | None = None,
+) -> list[tuple[Path, dict[str, Any]]]:
+    """Run the trials of several runs in turn -- round ``i`` runs trial ``i`` of each, in
+    the given order on even rounds and reversed on odd ones (A B, B A, A B...) -- so that a
+    shared machine's slow drift and any order effect land on every side alike; then write
+    each run's report.  Callbacks get ``(run index, trial)``."""
+    if not runs:
+        raise BenchError("execute_interleaved needs at least one run")
+    trials = {run.options.trials for run in runs}
+    if len(trials) != 1:
+        raise BenchError(f"interleaved runs need the same number of trials, got {sorted(trials)}")
+    results: list[list[dict[str, Any]]] = [[] for _ in runs]
+    for i in range(trials.pop()):
+        order = range(len(runs)) if i % 2 == 0 else range(len(runs) - 1, -1, -1)
+        for k in order:
+            if on_trial_start is not None:
+                on_trial_start(k, i)
+            result = _run_one(runs[k], i, on_progress)
+            results[k].append(result)
+            if on_trial_end is not None:
+                on_trial_end(k, i, result)
+    schedule = "interleaved: " + " | ".join(
+        " ".join([r.options.config.runner, *r.options.config.services]) for r in runs
+    )
+    return [_write(run, rs, schedule) for run, rs in zip(runs, results, strict=True)]
