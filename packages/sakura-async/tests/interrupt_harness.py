@@ -21,6 +21,9 @@ from sakura import OnEpochEnd, SakuraRuntime
 
 
 def main() -> None:
+    # A process started in the background by a non-interactive shell inherits SIGINT as
+    # ignored, and Python then installs no KeyboardInterrupt handler: set it explicitly.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     root = sys.argv[1]
     state = {"w": torch.full((4_000_000,), 3.0), "step": torch.tensor(1)}
     worker = LocalDispatcher()  # shared by both scenarios: one worker start-up
