@@ -5,6 +5,7 @@
 #   bash benchmarks/reference_cpu.sh [OUTPUT_DIR]        (default: reports/reference-cpu)
 #
 # Environment: TRIALS (default 7; the overhead pair uses 20 as the reference does),
+# RESNET_TRIALS (default 3, for the ResNet-50 pair),
 # THREADS (torch threads per process, default 1).  The reference ran with
 # OMP_NUM_THREADS=2 on a machine of its own; on two cores shared with anything else, two
 # OpenMP threads per process wait on each other and one trial in five takes 2-5x longer,
@@ -16,6 +17,7 @@ set -euo pipefail
 
 out="${1:-reports/reference-cpu}"
 trials="${TRIALS:-7}"
+resnet_trials="${RESNET_TRIALS:-3}"  # a fp32 ResNet-50 trial takes ~4 min on one thread
 threads="${THREADS:-1}"
 mkdir -p "$out"
 
@@ -40,9 +42,10 @@ run overhead-telemetry --workload mnist-mlp --runner sakura --framework pytorch-
 
 # 2. Mixed precision + telemetry on ResNet-50 (full size needs a GPU: small here).
 run resnet --workload cifar10-resnet50 --scale small --runner baseline --framework pytorch-ddp \
-    --trials "$trials"
+    --trials "$resnet_trials"
 run resnet-bf16 --workload cifar10-resnet50 --scale small --runner sakura \
-    --framework pytorch-ddp --service telemetry --service mixed_precision:bf16 --trials "$trials"
+    --framework pytorch-ddp --service telemetry --service mixed_precision:bf16 \
+    --trials "$resnet_trials"
 
 # 3. Per-epoch eval overlapped with the next epoch (the reference: 1.57x), and with the
 #    checkpoint dispatched off-thread as well.
