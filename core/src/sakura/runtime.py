@@ -113,6 +113,7 @@ class SakuraRuntime:
         self._table: dict[type[Event], tuple[Callable[[Any], Any], ...]] = {}
         self._dispatch: dict[type[Event], Callable[[Any], None]] = {}
         self._calls: dict[str, tuple[tuple[Any, Callable[..., Any]], ...]] = {}
+        self._implementers: dict[str, tuple[str, ...]] = {}
         self.last_step_skipped: bool = False
         """Whether the last :meth:`optimizer_step` was owned by a service that skipped it
         (it returned :data:`~sakura.STEP_SKIPPED`); a loop leaves its LR scheduler alone then."""
@@ -291,6 +292,9 @@ class SakuraRuntime:
             if reader is not None:
                 self._counters[cls.__name__] = reader
         self._calls = {hook: tuple(impls) for hook, impls in calls.items()}
+        self._implementers = {
+            hook: tuple(service.name for service, _ in impls) for hook, impls in calls.items()
+        }
 
     # --- events -----------------------------------------------------------------------
 
@@ -416,7 +420,7 @@ class SakuraRuntime:
         Adapters use it to check, before training starts, that every installed service
         can take effect in their framework.
         """
-        return tuple(service.name for service, _ in self._calls.get(call, ()))
+        return self._implementers.get(call, ())  # built at install: adapters ask per step
 
     def autocast(self) -> AbstractContextManager[Any]:
         """A context manager for the forward pass that enters every service's ``autocast()``
