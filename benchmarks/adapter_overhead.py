@@ -55,7 +55,6 @@ import json
 import logging
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -63,6 +62,8 @@ import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from _common import make_noop_services, summary, verdict
 
 N_SERVICES = 8
 WINDOW = 20  # steps per stretch in the isolated measurement
@@ -105,40 +106,6 @@ def _quiet() -> None:
         import transformers
 
         transformers.logging.set_verbosity_error()
-
-
-def make_noop_services(count: int) -> list[Any]:
-    """``count`` services, each implementing the 7 per-step hooks as ``pass``."""
-    from sakura.service import Service
-
-    class NoopService(Service):
-        priority = 100
-
-        def __init__(self, name: str) -> None:
-            self.name = name
-
-        def on_train_step_begin(self, event: Any) -> None:
-            pass
-
-        def on_before_backward(self, event: Any) -> None:
-            pass
-
-        def on_after_backward(self, event: Any) -> None:
-            pass
-
-        def on_before_optimizer_step(self, event: Any) -> None:
-            pass
-
-        def on_optimizer_step(self, event: Any) -> None:
-            pass
-
-        def on_before_zero_grad(self, event: Any) -> None:
-            pass
-
-        def on_train_step_end(self, event: Any) -> None:
-            pass
-
-    return [NoopService(f"noop{i}") for i in range(count)]
 
 
 def _runtime(key: str) -> Any:
@@ -482,21 +449,6 @@ def isolated_costs(
     return best
 
 
-def _summary(label: str, per_trial: list[float], ratios: list[float]) -> dict[str, Any]:
-    q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
-    return {
-        "label": label,
-        "median_us_per_step": statistics.median(per_trial) * 1e6,
-        "ratio_median": statistics.median(ratios),
-        "ratio_q1": q[0],
-        "ratio_q3": q[2],
-        "ratio_min": min(ratios),
-        "ratio_max": max(ratios),
-        "per_trial_us": [t * 1e6 for t in per_trial],
-        "per_trial_ratio": ratios,
-    }
-
-
 def framework_benchmark(
     bench: Any,
     iso_bench: Any,
@@ -518,7 +470,7 @@ def framework_benchmark(
         per_trial = {key: [min(rounds) for rounds in runs[clock][key]] for key in keys}
         vanilla = per_trial["vanilla"]
         results[clock] = {
-            key: _summary(
+            key: summary(
                 labels[key],
                 per_trial[key],
                 [t / v for t, v in zip(per_trial[key], vanilla, strict=True)],
@@ -571,10 +523,6 @@ def framework_benchmark(
 
 
 # --- report ---------------------------------------------------------------------------------
-
-
-def _verdict(ok: bool) -> str:
-    return "MET" if ok else "MISSED"
 
 
 def _noise_note(entry: dict[str, Any], control: dict[str, Any]) -> str:
@@ -659,7 +607,7 @@ def print_report(report: dict[str, Any]) -> None:
     print()
     print("Targets (the issue's: with the adapter, within 1 % of vanilla)")
     for target in report["targets"]:
-        print(f"   [{_verdict(target['met'])}] {target['name']}: {target['value']}")
+        print(f"   [{verdict(target['met'])}] {target['name']}: {target['value']}")
     print(
         "   A median ratio whose IQR overlaps the A/A control's is within this machine's noise, "
         "MET or MISSED;\n   the isolated cost is the adapter's own cost, measured apart from "

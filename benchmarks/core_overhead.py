@@ -48,6 +48,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from _common import make_noop_services, summary, verdict
+
 # The per-step events a loop emits, in order (docs/events.md).
 PER_STEP_EVENTS = (
     "OnTrainStepBegin",
@@ -212,40 +214,6 @@ def _per_step_classes() -> list[Any]:
     return [getattr(sakura.events, name) for name in PER_STEP_EVENTS]
 
 
-def make_noop_services(count: int) -> list[Any]:
-    """``count`` services, each implementing the 7 per-step hooks as ``pass``."""
-    from sakura.service import Service
-
-    class NoopService(Service):
-        priority = 100
-
-        def __init__(self, name: str) -> None:
-            self.name = name
-
-        def on_train_step_begin(self, event: Any) -> None:
-            pass
-
-        def on_before_backward(self, event: Any) -> None:
-            pass
-
-        def on_after_backward(self, event: Any) -> None:
-            pass
-
-        def on_before_optimizer_step(self, event: Any) -> None:
-            pass
-
-        def on_optimizer_step(self, event: Any) -> None:
-            pass
-
-        def on_before_zero_grad(self, event: Any) -> None:
-            pass
-
-        def on_train_step_end(self, event: Any) -> None:
-            pass
-
-    return [NoopService(f"noop{i}") for i in range(count)]
-
-
 class Variant:
     """One way of running the loop: raw (no runtime, no handlers), hand-written dispatch
     (``handlers``, no runtime) or through a runtime."""
@@ -387,14 +355,14 @@ def step_benchmark(args: argparse.Namespace, tmpdir: Path) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for key, per_trial in times.items():
         ratios = [t / r for t, r in zip(per_trial, raw, strict=True)]
-        results[key] = _summary(labels[key], per_trial, ratios)
+        results[key] = summary(labels[key], per_trial, ratios)
     for key in ("8noop", "8noop-nohist"):  # sakura against the hand-written control
         vs_hand = [t / h for t, h in zip(times[key], times["hand"], strict=True)]
         results[key]["vs_hand_median"] = statistics.median(vs_hand)
         results[key]["vs_hand_min"] = min(vs_hand)
         results[key]["vs_hand_max"] = max(vs_hand)
     with_flush = [t + f for t, f in zip(times["telemetry"], flush, strict=True)]
-    results["telemetry+flush"] = _summary(
+    results["telemetry+flush"] = summary(
         "(c) Telemetry incl. the write at OnEpochEnd",
         with_flush,
         [t / r for t, r in zip(with_flush, raw, strict=True)],
@@ -406,21 +374,6 @@ def step_benchmark(args: argparse.Namespace, tmpdir: Path) -> dict[str, Any]:
         "warmup_steps": args.warmup,
         "telemetry_lines_written": telemetry_lines,
         "variants": results,
-    }
-
-
-def _summary(label: str, per_trial: list[float], ratios: list[float]) -> dict[str, Any]:
-    q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
-    return {
-        "label": label,
-        "median_us_per_step": statistics.median(per_trial) * 1e6,
-        "ratio_median": statistics.median(ratios),
-        "ratio_min": min(ratios),
-        "ratio_max": max(ratios),
-        "ratio_q1": q[0],
-        "ratio_q3": q[2],
-        "per_trial_us": [t * 1e6 for t in per_trial],
-        "per_trial_ratio": ratios,
     }
 
 
@@ -673,10 +626,6 @@ def dispatch_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 # --- report ---------------------------------------------------------------------------------
 
 
-def _verdict(ok: bool) -> str:
-    return "MET" if ok else "MISSED"
-
-
 def print_report(report: dict[str, Any]) -> None:
     env = report["environment"]
     print()
@@ -754,7 +703,7 @@ def print_report(report: dict[str, Any]) -> None:
     print()
     print("Targets")
     for target in report["targets"]:
-        print(f"   [{_verdict(target['met'])}] {target['name']}: {target['value']}")
+        print(f"   [{verdict(target['met'])}] {target['name']}: {target['value']}")
     print()
 
 
