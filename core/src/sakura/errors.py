@@ -12,6 +12,7 @@ __all__ = [
     "SakuraError",
     "SpecError",
     "UnknownNameError",
+    "add_note",
     "nearest",
 ]
 
@@ -48,3 +49,16 @@ def nearest(name: str, candidates: Iterable[str]) -> str | None:
     """The candidate closest to ``name``, if any is reasonably close."""
     matches = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
     return matches[0] if matches else None
+
+
+def add_note(error: BaseException, note: str) -> None:
+    """``error.add_note(note)`` (Python 3.11+); on 3.10 the note is kept in ``__notes__``
+    the same way, so code and tests can read it on every supported Python."""
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    else:  # pragma: no cover - Python 3.10
+        notes = getattr(error, "__notes__", None)
+        if not isinstance(notes, list):
+            notes = []
+            error.__notes__ = notes  # type: ignore[attr-defined]
+        notes.append(note)

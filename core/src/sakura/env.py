@@ -1,0 +1,68 @@
+"""Environment variables, parsed one way everywhere.
+
+``SAKURA_DISABLE_PLUGIN_AUTOLOAD=on`` must mean the same to the plugin loader, the config
+reader and any third-party package: these functions are the only parsers.  A value that is
+not understood is a :class:`~sakura.errors.ConfigError` naming the variable, the value and
+what is accepted, never silently "false".
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from sakura.errors import ConfigError
+
+__all__ = ["FALSE_WORDS", "TRUE_WORDS", "env_flag", "env_int", "env_list"]
+
+TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
+FALSE_WORDS = frozenset({"0", "false", "no", "off", ""})
+
+
+def env_flag(
+    name: str, default: bool | None = None, *, environ: Mapping[str, str] | None = None
+) -> bool | None:
+    """The boolean in ``name``: 1/true/yes/on or 0/false/no/off (any case; empty is false);
+    ``default`` when the variable is unset."""
+    env = os.environ if environ is None else environ
+    if name not in env:
+        return default
+    raw = env[name].strip().lower()
+    if raw in TRUE_WORDS:
+        return True
+    if raw in FALSE_WORDS:
+        return False
+    raise ConfigError(
+        f"{name}={env[name]!r} is not accepted; accepted: 1/0, true/false, yes/no, on/off"
+    )
+
+
+def env_list(name: str, *, environ: Mapping[str, str] | None = None) -> list[str] | None:
+    """The comma-separated names in ``name`` (stripped, empty items dropped); ``None`` when
+    the variable is unset."""
+    env = os.environ if environ is None else environ
+    if name not in env:
+        return None
+    return [item.strip() for item in env[name].split(",") if item.strip()]
+
+
+def env_int(
+    name: str,
+    default: int | None = None,
+    *,
+    minimum: int | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> int | None:
+    """The integer in ``name`` (at least ``minimum``); ``default`` when unset or empty."""
+    env = os.environ if environ is None else environ
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or (minimum is not None and value < minimum):
+        accepted = "an integer" + (f" >= {minimum}" if minimum is not None else "")
+        raise ConfigError(f"{name}={env[name]!r} is not accepted; accepted: {accepted}")
+    return value
