@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -25,12 +26,78 @@ def test_plugins_reports_failures_with_nonzero_exit(
     make_distribution: Callable[..., Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
     make_distribution("sakura-broken", "sakura_broken_cli", "raise RuntimeError('kaputt')\n")
-    with pytest.warns(RuntimeWarning):
-        assert main(["plugins"]) == 1
-    assert (
+    assert main(["plugins"]) == 1
+    err = capsys.readouterr().err
+    line = (
         "FAILED  plugin 'sakura-broken' from sakura-broken failed to load: RuntimeError('kaputt')"
-        in (capsys.readouterr().err)
     )
+    assert line in err and err.count("kaputt") == 1
+    assert main(["plugins", "--json"]) == 1  # scripts see the failure too
+    captured = capsys.readouterr()
+    [failure] = json.loads(captured.out)["failures"]
+    assert failure == {
+        "name": "sakura-broken",
+        "distribution": "sakura-broken",
+        "error": "RuntimeError('kaputt')",
+    }
+    assert "kaputt" not in captured.err
+
+
+def _run_cli(site: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("SAKURA_")}
+    environment.update(env, PYTHONPATH=str(site))
+    return subprocess.run(
+        [sys.executable, "-m", "sakura.cli", *args],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=120,
+    )
+
+
+def test_each_load_failure_is_printed_once_by_the_real_command(
+    make_distribution: Callable[..., Path],
+) -> None:
+    site = make_distribution("sakura-broken", "sakura_broken_cli", "raise RuntimeError('kaputt')\n")
+    for command in ("plugins", "services"):
+        result = _run_cli(site, command)
+        assert result.stderr.count("kaputt") == 1, result.stderr
+        assert result.returncode == (1 if command == "plugins" else 0)
+
+
+def test_plugins_lists_disabled_plugins_and_misspelt_filters(
+    make_distribution: Callable[..., Path],
+) -> None:
+    site = make_distribution(
+        "sakura-greeter",
+        "sakura_greeter_cli",
+        """
+from sakura import hookimpl
+from sakura.telemetry import Telemetry
+
+@hookimpl
+def sakura_register_services(register):
+    register("greeter_sink", Telemetry)
+""",
+        version="2.3",
+    )
+    result = _run_cli(site, "plugins", "--json", SAKURA_DISABLED_PLUGINS="sakura-greeter")
+    data = json.loads(result.stdout)
+    assert result.returncode == 0 and data["problems"] == [] and data["failures"] == []
+    [disabled] = [d for d in data["disabled"] if d["name"] == "sakura-greeter"]
+    assert (disabled["version"], disabled["reason"]) == ("2.3", "disabled")
+    assert "sakura-greeter" not in [p["name"] for p in data["plugins"]]
+    table = _run_cli(site, "plugins", SAKURA_DISABLED_PLUGINS="sakura-greeter")
+    [row] = [r for r in table.stdout.splitlines() if r.startswith("sakura-greeter ")]
+    assert "2.3" in row and "disabled: disabled by SAKURA_DISABLED_PLUGINS" in row
+    assert "not installed" not in table.stdout + table.stderr
+    typo = _run_cli(site, "plugins", "--json", SAKURA_DISABLED_PLUGINS="sakura-greter")
+    data = json.loads(typo.stdout)
+    assert typo.returncode == 1
+    [problem] = data["problems"]
+    assert "'sakura-greter'" in problem and "did you mean 'sakura-greeter'?" in problem
+    assert "sakura-greeter" in [p["name"] for p in data["plugins"]]
+    assert typo.stderr.count("sakura-greter") == 0  # in the JSON, not printed again
 
 
 def test_services_dispatchers_adapters(

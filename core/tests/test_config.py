@@ -9,6 +9,7 @@ import pytest
 
 from sakura import ConfigError, SakuraRuntime, Telemetry
 from sakura.config import load_config
+from sakura.plugins import KNOWN_PROVIDERS
 
 
 def write(path: Path, text: str) -> Path:
@@ -129,7 +130,12 @@ def test_from_config_installs_services_from_the_file(
 def test_from_config_unknown_service_names_the_package(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    write(tmp_path / "sakura.toml", 'autoload = false\nservices=["zero1"]\n')  # as if not installed
+    monkeypatch.setitem(KNOWN_PROVIDERS, "warp_drive", "sakura-warp")  # certainly not installed
+    write(tmp_path / "sakura.toml", 'services=["warp_drive"]\n')
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(LookupError, match="pip install sakura-zero"):
+    with pytest.raises(LookupError, match="pip install sakura-warp"):
+        SakuraRuntime.from_config()
+    # an installed first-party package that the config keeps from loading is "disabled"
+    write(tmp_path / "sakura.toml", 'autoload = false\nservices=["zero1"]\n')
+    with pytest.raises(LookupError, match="provided by sakura-zero, which is"):
         SakuraRuntime.from_config()

@@ -10,8 +10,14 @@ from pathlib import Path
 import pytest
 
 import sakura
-from sakura import PluginConflictError, SakuraRuntime, SpecError, UnknownNameError
-from sakura.plugins import get_plugin_manager
+from sakura import ConfigError, PluginConflictError, SakuraRuntime, SpecError, UnknownNameError
+from sakura.config import load_config
+from sakura.plugins import (
+    KNOWN_PROVIDERS,
+    PluginLoadWarning,
+    get_plugin_manager,
+    reset_plugin_managers,
+)
 
 GOOD = """
 from sakura import hookimpl, Service
@@ -179,35 +185,134 @@ def test_misnamed_plugin_hook_is_a_load_failure_naming_the_nearest(
 def test_unknown_service_lists_available_and_names_missing_package(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv("SAKURA_DISABLE_PLUGIN_AUTOLOAD", "1")
+    # a provider that is certainly not installed (the first-party ones may be)
+    monkeypatch.setitem(KNOWN_PROVIDERS, "warp_drive", "sakura-warp")
+    monkeypatch.setitem(KNOWN_PROVIDERS, "WarpDrive", "sakura-warp")
     manager = get_plugin_manager()
     with pytest.raises(UnknownNameError) as info:
-        manager.create("service", "mixed_precision:bf16")
+        manager.create("service", "warp_drive:fast")
     message = str(info.value)
-    assert (
-        "provided by sakura-precision, which is not installed: pip install sakura-precision"
-        in message
-    )
-    assert "Available services: telemetry." in message
+    assert "provided by sakura-warp, which is not installed: pip install sakura-warp" in message
+    assert "Available services: " in message and "telemetry" in message
     with pytest.raises(UnknownNameError, match="Did you mean 'telemetry'"):
         manager.create("service", "telemetri")
+    with pytest.raises(ImportError, match=r"provided by sakura-warp.*pip install sakura-warp"):
+        from sakura.services import WarpDrive  # type: ignore[attr-defined]  # noqa: F401
 
 
-def test_facades_raise_import_error_naming_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(
-        "SAKURA_DISABLE_PLUGIN_AUTOLOAD", "1"
-    )  # as if only sakura-core were installed
-    with pytest.raises(ImportError, match="pip install sakura-precision"):
+def test_facades_raise_import_error_naming_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SAKURA_DISABLE_PLUGIN_AUTOLOAD", "1")  # only sakura-core's own plugin
+    # installed or not, the error names the package and never offers nothing
+    with pytest.raises(ImportError, match="provided by sakura-precision, which is"):
         from sakura.services import MixedPrecision  # type: ignore[attr-defined]  # noqa: F401
-    with pytest.raises(ImportError, match="pip install sakura-adapters"):
+    with pytest.raises(ImportError, match="provided by sakura-adapters, which is"):
         from sakura.adapters import LightningAdapter  # type: ignore[attr-defined]  # noqa: F401
-    with pytest.raises(ImportError, match="pip install sakura-async"):
+    with pytest.raises(ImportError, match="provided by sakura-async, which is"):
         from sakura.dispatch import LocalDispatcher  # type: ignore[attr-defined]  # noqa: F401
     with pytest.raises(AttributeError, match="available services: Telemetry"):
         sakura.services.NotAThing  # type: ignore[attr-defined]  # noqa: B018
     from sakura.services import Telemetry
 
     assert Telemetry is sakura.Telemetry
+
+
+@pytest.mark.parametrize(
+    ("env", "explanation"),
+    [
+        ({"SAKURA_DISABLED_PLUGINS": "sakura-greeter"}, "disabled by SAKURA_DISABLED_PLUGINS"),
+        ({"SAKURA_PLUGINS": "sakura-other"}, "not named in SAKURA_PLUGINS"),
+        ({"SAKURA_DISABLE_PLUGIN_AUTOLOAD": "on"}, "plugin autoload is off"),
+    ],
+)
+def test_installed_but_disabled_provider_is_reported_as_disabled(
+    make_distribution: Callable[..., Path],
+    monkeypatch: pytest.MonkeyPatch,
+    env: dict[str, str],
+    explanation: str,
+) -> None:
+    make_distribution("sakura-greeter", "sakura_greeter_plugin", GOOD, version="2.3")
+    make_distribution("sakura-other", "sakura_other_plugin", "")
+    monkeypatch.setitem(KNOWN_PROVIDERS, "greeter", "sakura-greeter")
+    monkeypatch.setitem(KNOWN_PROVIDERS, "Greeter", "sakura-greeter")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    manager = get_plugin_manager()
+    with pytest.raises(UnknownNameError) as info:
+        manager.create("service", "greeter")
+    message = str(info.value)
+    assert "provided by sakura-greeter, which is installed but disabled" in message
+    assert explanation in message and "pip install" not in message
+    with pytest.raises(ImportError) as facade:
+        from sakura.services import Greeter  # type: ignore[attr-defined]  # noqa: F401
+    assert "installed but disabled" in str(facade.value)
+    assert "pip install" not in str(facade.value)
+    [skipped] = [s for s in manager.skipped if s.distribution == "sakura-greeter"]
+    assert (skipped.name, skipped.version) == ("sakura-greeter", "2.3")
+    assert explanation in skipped.explain()
+
+
+def test_a_provider_that_failed_to_load_is_reported_with_its_error(
+    make_distribution: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    make_distribution("sakura-greeter", "sakura_greeter_plugin", BROKEN)
+    monkeypatch.setitem(KNOWN_PROVIDERS, "greeter", "sakura-greeter")
+    manager = get_plugin_manager()
+    with pytest.warns(PluginLoadWarning), pytest.raises(UnknownNameError) as info:
+        manager.create("service", "greeter")
+    message = str(info.value)
+    assert "provided by sakura-greeter, which failed to load" in message
+    assert "needs a library that is missing" in message and "pip install" not in message
+
+
+def test_misspelt_plugin_filters_are_reported_with_the_nearest_installed_name(
+    make_distribution: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    make_distribution("sakura-greeter", "sakura_greeter_plugin", GOOD)
+    monkeypatch.setenv("SAKURA_DISABLED_PLUGINS", "sakura-greter")
+    manager = get_plugin_manager()
+    with pytest.warns(
+        PluginLoadWarning,
+        match=r"disabled plugin 'sakura-greter'.*not an installed plugin; did you mean "
+        r"'sakura-greeter'\?",
+    ):
+        assert "greeter" in manager.registry("service")  # the misspelling disabled nothing
+    assert len(manager.problems) == 1 and not manager.failures
+    monkeypatch.delenv("SAKURA_DISABLED_PLUGINS")
+    monkeypatch.setenv("SAKURA_PLUGINS", "sakura_greter")
+    reset_plugin_managers()
+    selected = get_plugin_manager()
+    with pytest.warns(PluginLoadWarning, match=r"did you mean 'sakura-greeter'\?"):
+        assert "greeter" not in selected.registry("service")
+    [failure] = selected.failures
+    assert failure.name == "sakura_greter"
+
+
+@pytest.mark.parametrize("word", ["1", "on", "ON", "yes", "true", "True", " on "])
+def test_autoload_switch_words_mean_the_same_to_loader_and_config(
+    make_distribution: Callable[..., Path],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    word: str,
+) -> None:
+    make_distribution("sakura-greeter", "sakura_greeter_plugin", GOOD)
+    monkeypatch.setenv("SAKURA_DISABLE_PLUGIN_AUTOLOAD", word)
+    manager = get_plugin_manager()
+    assert manager.autoload is False and "greeter" not in manager.registry("service")
+    assert load_config(cwd=tmp_path).autoload is False
+    monkeypatch.setenv("SAKURA_DISABLE_PLUGIN_AUTOLOAD", {"1": "0", "on": "off"}.get(word, "no"))
+    reset_plugin_managers()
+    assert get_plugin_manager().autoload is True and load_config(cwd=tmp_path).autoload is True
+
+
+def test_an_autoload_word_neither_accepts_is_an_error_in_both(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("SAKURA_DISABLE_PLUGIN_AUTOLOAD", "maybe")
+    accepted = r"SAKURA_DISABLE_PLUGIN_AUTOLOAD='maybe' is not accepted; accepted: 1/0"
+    with pytest.raises(ConfigError, match=accepted):
+        get_plugin_manager()
+    with pytest.raises(ConfigError, match=accepted):
+        load_config(cwd=tmp_path)
 
 
 def test_config_table_specs(make_distribution: Callable[..., Path]) -> None:

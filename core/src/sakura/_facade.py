@@ -13,8 +13,10 @@ __all__ = ["facade_dir", "resolve_export"]
 def resolve_export(kind: str, module: str, attribute: str) -> Any:
     """Return the class a plugin exports as ``attribute``, or raise a helpful error.
 
-    ImportError naming the distribution to install when ``attribute`` belongs to a known
-    package that is missing; AttributeError listing what is available otherwise.
+    ImportError when ``attribute`` belongs to a known package that provides nothing here,
+    saying why (not installed: the ``pip install`` line; installed but disabled or not
+    selected: the setting; failed to load: the error); AttributeError listing what is
+    available otherwise.
     """
     if attribute.startswith("__"):
         raise AttributeError(f"module {module!r} has no attribute {attribute!r}")
@@ -28,11 +30,8 @@ def resolve_export(kind: str, module: str, attribute: str) -> Any:
     available = sorted(manager.exports(kind))
     provider = KNOWN_PROVIDERS.get(attribute)
     if provider is not None:
-        failed = [str(f) for f in manager.failures if f.distribution == provider]
-        detail = f" ({'; '.join(failed)})" if failed else ""
         raise ImportError(
-            f"cannot import {attribute!r} from {module}: it is provided by {provider}, which is "
-            f"not installed or failed to load{detail}. Install it with: pip install {provider}",
+            f"cannot import {attribute!r} from {module}: {manager.provider_status(provider)}",
             name=module,
         )
     raise AttributeError(

@@ -7,7 +7,9 @@
     sakura hooks         every hook with its signature and first docstring line
     sakura telemetry F   summary of a telemetry JSON-lines file
 
-Every listing takes ``--json`` for machine-readable output.
+Every listing takes ``--json`` for machine-readable output.  ``sakura plugins`` exits with
+status 1 when a plugin failed to load or a plugin filter names nothing installed; each
+failure is printed once, on stderr.
 """
 
 from __future__ import annotations
@@ -16,8 +18,12 @@ import argparse
 import inspect
 import json
 import sys
+import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sakura.plugins import PluginManager
 
 __all__ = ["main"]
 
@@ -85,11 +91,29 @@ def _first_line(fn: Any) -> str:
     return doc.split("\n\n")[0].replace("\n", " ")
 
 
-def _cmd_plugins(args: argparse.Namespace) -> int:
-    from sakura.plugins import get_plugin_manager
+def _loaded_manager() -> PluginManager:
+    """The shared plugin manager with every registry collected.  Load failures are printed
+    by the commands themselves (once each), so their warnings are silenced here."""
+    from sakura.plugins import PluginLoadWarning, get_plugin_manager
 
     manager = get_plugin_manager()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PluginLoadWarning)
+        manager.plugins()
+    return manager
+
+
+def _report_problems(manager: PluginManager) -> None:
+    for failure in manager.failures:
+        print(f"FAILED  {failure}", file=sys.stderr)
+    for problem in manager.problems:
+        print(f"WARNING  {problem}", file=sys.stderr)
+
+
+def _cmd_plugins(args: argparse.Namespace) -> int:
+    manager = _loaded_manager()
     plugins = manager.plugins()
+    status = 1 if manager.failures or manager.problems else 0
     if args.json:
         print(
             json.dumps(
@@ -104,15 +128,26 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
                         }
                         for p in plugins
                     ],
+                    "disabled": [
+                        {
+                            "name": s.name,
+                            "distribution": s.distribution,
+                            "version": s.version,
+                            "reason": s.reason,
+                            "explanation": s.explain(),
+                        }
+                        for s in manager.skipped
+                    ],
                     "failures": [
                         {"name": f.name, "distribution": f.distribution, "error": repr(f.error)}
                         for f in manager.failures
                     ],
+                    "problems": list(manager.problems),
                 },
                 indent=2,
             )
         )
-        return 0
+        return status
     rows = [
         [
             p.name,
@@ -122,16 +157,18 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
         ]
         for p in plugins
     ]
+    rows += [
+        [s.name, s.distribution or "-", s.version or "-", f"disabled: {s.explain()}"]
+        for s in manager.skipped
+    ]
     print(_table(rows, ["plugin", "distribution", "version", "provides"]))
-    for failure in manager.failures:
-        print(f"FAILED  {failure}", file=sys.stderr)
-    return 1 if manager.failures else 0
+    _report_problems(manager)
+    return status
 
 
 def _cmd_registry(kind: str, args: argparse.Namespace) -> int:
-    from sakura.plugins import get_plugin_manager
-
-    entries = get_plugin_manager().registry(kind)
+    manager = _loaded_manager()
+    entries = manager.registry(kind)
     if args.json:
         print(
             json.dumps(
@@ -148,12 +185,13 @@ def _cmd_registry(kind: str, args: argparse.Namespace) -> int:
                 indent=2,
             )
         )
-        return 0
-    rows = [
-        [p.name, p.export_name or "-", p.distribution or p.plugin, p.description]
-        for p in sorted(entries.values(), key=lambda p: p.name)
-    ]
-    print(_table(rows, [kind, "class", "provided by", "description"]))
+    else:
+        rows = [
+            [p.name, p.export_name or "-", p.distribution or p.plugin, p.description]
+            for p in sorted(entries.values(), key=lambda p: p.name)
+        ]
+        print(_table(rows, [kind, "class", "provided by", "description"]))
+    _report_problems(manager)
     return 0
 
 

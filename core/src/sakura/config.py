@@ -30,18 +30,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sakura.env import env_flag, env_list
 from sakura.errors import ConfigError, nearest
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
-    import tomli as tomllib
+    import tomli as tomllib  # type: ignore[import-not-found, unused-ignore]
 
 __all__ = ["CONFIG_KEYS", "SakuraConfig", "load_config"]
 
 CONFIG_KEYS = ("plugins", "disabled_plugins", "autoload", "services", "strict", "history")
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off", "")
 
 
 @dataclass
@@ -56,12 +55,6 @@ class SakuraConfig:
     history: bool = True
     source: str | None = None
     """The file read, if any."""
-
-
-def _env_list(environ: Mapping[str, str], name: str) -> list[str] | None:
-    if name not in environ:
-        return None
-    return [item.strip() for item in environ[name].split(",") if item.strip()]
 
 
 def _read_toml(path: Path, *, table: str | None = None) -> dict[str, Any]:
@@ -139,17 +132,6 @@ def _table_for(path: Path) -> str | None:
     return "tool.sakura" if path.name == "pyproject.toml" else None
 
 
-def _env_flag(environ: Mapping[str, str], name: str) -> bool | None:
-    if name not in environ:
-        return None
-    raw = environ[name].strip().lower()
-    if raw in _TRUE:
-        return True
-    if raw in _FALSE:
-        return False
-    raise ConfigError(f"{name}={environ[name]!r}: expected 1/0, true/false, yes/no")
-
-
 def load_config(
     path: str | os.PathLike[str] | None = None,
     *,
@@ -173,13 +155,13 @@ def load_config(
         config.source = str(file_path)
         for key, value in data.items():
             setattr(config, key, list(value) if isinstance(value, list) else value)
-    env_plugins = _env_list(environ, "SAKURA_PLUGINS")
+    env_plugins = env_list("SAKURA_PLUGINS", environ=environ)
     if env_plugins is not None:
         config.plugins = env_plugins
-    env_disabled = _env_list(environ, "SAKURA_DISABLED_PLUGINS")
+    env_disabled = env_list("SAKURA_DISABLED_PLUGINS", environ=environ)
     if env_disabled is not None:
         config.disabled_plugins = env_disabled
-    no_autoload = _env_flag(environ, "SAKURA_DISABLE_PLUGIN_AUTOLOAD")
+    no_autoload = env_flag("SAKURA_DISABLE_PLUGIN_AUTOLOAD", environ=environ)
     if no_autoload is not None:
         config.autoload = not no_autoload
     if plugins is not None:

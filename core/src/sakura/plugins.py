@@ -18,8 +18,6 @@ Which plugins load:
 from __future__ import annotations
 
 import importlib
-import inspect
-import os
 import re
 import threading
 import traceback
@@ -33,8 +31,10 @@ from typing import Any
 import pluggy
 
 from sakura import hookspecs
-from sakura.errors import PluginConflictError, SpecError, UnknownNameError, nearest
-from sakura.specs import Spec, parse_spec
+from sakura.env import env_flag, env_list
+from sakura.errors import UnknownNameError, nearest
+from sakura.registry import Entry, NamedRegistry, fill_from_hook
+from sakura.specs import Spec
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -42,8 +42,10 @@ __all__ = [
     "KNOWN_PROVIDERS",
     "PluginFailure",
     "PluginInfo",
+    "PluginLoadWarning",
     "PluginManager",
     "Provided",
+    "SkippedPlugin",
     "get_plugin_manager",
     "reset_plugin_managers",
 ]
@@ -93,73 +95,13 @@ KNOWN_PROVIDERS: dict[str, str] = {
 """Names provided by first-party packages, so a missing one says what to install."""
 
 
-_LAZY_TARGET = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*\Z")
+Provided = Entry
+"""What a plugin registered under a name (the core's name for :class:`sakura.registry.Entry`)."""
 
 
-@dataclass(frozen=True)
-class Provided:
-    """One named thing a plugin offers.
-
-    ``target`` is a class or factory, or a lazy ``"module.path:Name"`` string that is
-    imported on first use, so listing plugins never imports heavy frameworks.
-    """
-
-    kind: str
-    name: str
-    target: Any
-    parse: Callable[[Spec], Any] | None
-    description: str
-    plugin: str
-    distribution: str | None
-
-    @property
-    def export_name(self) -> str | None:
-        """The facade attribute name: the class's ``__name__`` (or a lazy target's name)."""
-        if isinstance(self.target, str):
-            return self.target.rpartition(":")[2]
-        return self.target.__name__ if isinstance(self.target, type) else None
-
-    def load(self) -> Any:
-        """The target itself, importing a lazy ``"module:Name"`` target."""
-        if not isinstance(self.target, str):
-            return self.target
-        module_name, _, attribute = self.target.partition(":")
-        try:
-            return getattr(importlib.import_module(module_name), attribute)
-        except (ImportError, AttributeError) as exc:
-            where = self.distribution or self.plugin
-            raise ImportError(
-                f"the {self.kind} {self.name!r} from {where} could not be imported "
-                f"({self.target}): {exc}"
-            ) from exc
-
-    def create(self, spec: Spec) -> Any:
-        """Build the object a spec describes."""
-        target = self.load()
-        try:
-            if self.parse is not None:
-                return self.parse(spec)
-            return target(*spec.args, **spec.kwargs)
-        except SpecError:
-            raise
-        except (TypeError, ValueError) as exc:
-            raise SpecError(
-                f"{self.kind} spec {str(spec)!r} was rejected by {self.describe()}: {exc}"
-                f"{self._accepted(target)}"
-            ) from exc
-
-    def describe(self) -> str:
-        where = self.distribution or self.plugin
-        return f"{self.name!r} (from {where})"
-
-    def _accepted(self, target: Any) -> str:
-        if self.parse is not None:
-            return ""
-        try:
-            signature = inspect.signature(target)
-        except (TypeError, ValueError):
-            return ""
-        return f"; accepted arguments: {self.name}{signature}"
+class PluginLoadWarning(RuntimeWarning):
+    """Issued once per plugin that failed to load and per plugin filter that names nothing
+    installed.  The ``sakura`` command prints these itself, so it silences this category."""
 
 
 @dataclass(frozen=True)
@@ -173,6 +115,27 @@ class PluginFailure:
 
     def __str__(self) -> str:
         return f"plugin {self.name!r} from {self.distribution or 'unknown distribution'} failed to load: {self.error!r}"
+
+
+@dataclass(frozen=True)
+class SkippedPlugin:
+    """An installed plugin that was not loaded, and why."""
+
+    name: str
+    distribution: str | None
+    version: str | None
+    reason: str
+    """``"disabled"`` (listed in the disabled plugins), ``"not selected"`` (a plugin list
+    is given and does not name it) or ``"autoload off"``."""
+
+    def explain(self) -> str:
+        """The reason in words, with the setting that causes it."""
+        return {
+            "disabled": "disabled by SAKURA_DISABLED_PLUGINS / disabled_plugins",
+            "not selected": "not named in SAKURA_PLUGINS / plugins",
+            "autoload off": "plugin autoload is off (SAKURA_DISABLE_PLUGIN_AUTOLOAD / "
+            "autoload = false) and it is not named in SAKURA_PLUGINS / plugins",
+        }.get(self.reason, self.reason)
 
 
 @dataclass
@@ -191,8 +154,13 @@ def _normalize(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def _split_env(value: str | None) -> list[str]:
-    return [item.strip() for item in (value or "").split(",") if item.strip()]
+def _version(dist: str | None) -> str | None:
+    if not dist:
+        return None
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 class PluginManager:
@@ -212,8 +180,14 @@ class PluginManager:
         self.pm.add_hookspecs(hookspecs)
         self.pm.hook.sakura_add_hookspecs.call_historic(kwargs={"pluginmanager": self.pm})
         self.failures: list[PluginFailure] = []
+        """Plugins that failed to import, register or run a registration hook."""
+        self.problems: list[str] = []
+        """Plugin filters (disabled / selected names) that match no installed plugin."""
+        self.skipped: list[SkippedPlugin] = []
+        """Installed plugins that the filters kept from loading."""
         self._info: dict[str, PluginInfo] = {}
-        self._registries: dict[str, dict[str, Provided]] | None = None
+        self._installed: dict[str, tuple[str, str | None]] = {}
+        self._registries: dict[str, NamedRegistry[Any]] = {}
         self._loaded = False
         self._lock = threading.RLock()
 
@@ -232,22 +206,38 @@ class PluginManager:
             for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
                 dist = ep.dist.name if ep.dist is not None else None
                 names = {_normalize(ep.name)} | ({_normalize(dist)} if dist else set())
+                for key in names:
+                    self._installed.setdefault(key, (ep.name, dist))
                 known |= names
-                if names & disabled:
-                    continue
-                if wanted is not None:
-                    if not names & wanted:
-                        continue
-                elif not self.autoload:
-                    continue
-                if ep.name in self._info:
+                if ep.name in self._info or any(s.name == ep.name for s in self.skipped):
                     continue  # the same distribution seen twice on sys.path
+                reason = None
+                if names & disabled:
+                    reason = "disabled"
+                elif wanted is not None:
+                    if not names & wanted:
+                        reason = "not selected" if self.autoload else "autoload off"
+                elif not self.autoload:
+                    reason = "autoload off"
+                if reason is not None:
+                    self.skipped.append(SkippedPlugin(ep.name, dist, _version(dist), reason))
+                    continue
                 try:
                     module = ep.load()
                 except Exception as exc:
                     self._fail(ep.name, dist, exc)
                     continue
                 self._register_module(module, ep.name, dist)
+            installed_names = sorted(
+                {n for ep_name, d in self._installed.values() for n in (ep_name, d) if n}
+            )
+            for item in self.disabled:
+                if _normalize(item) not in known:
+                    self._problem(
+                        f"the disabled plugin {item!r} (SAKURA_DISABLED_PLUGINS / "
+                        f"disabled_plugins) is not an installed plugin"
+                        f"{self._did_you_mean(item, installed_names)}"
+                    )
             for item in self.only or ():
                 if _normalize(item) in known or _normalize(item) in disabled:
                     continue  # an entry point or distribution name, handled above
@@ -258,7 +248,8 @@ class PluginManager:
                         item,
                         None,
                         exc,
-                        hint="not an installed plugin, distribution or importable module",
+                        hint="not an installed plugin, distribution or importable module"
+                        + self._did_you_mean(item, installed_names),
                     )
                     continue
                 except Exception as exc:
@@ -271,6 +262,7 @@ class PluginManager:
                         ValueError(
                             f"module {item!r} implements no sakura_* hook; name the plugin by its "
                             f"entry-point or distribution name, or the module that holds the hooks"
+                            f"{self._did_you_mean(item, installed_names)}"
                         ),
                     )
                     continue
@@ -285,20 +277,19 @@ class PluginManager:
                     del self._info[name]
                     self._fail(name, info.distribution, ValueError(problem))
 
+    @staticmethod
+    def _did_you_mean(item: str, installed: list[str]) -> str:
+        hint = nearest(item, installed) or nearest(_normalize(item), installed)
+        return f"; did you mean {hint!r}?" if hint else ""
+
     def _register_module(self, module: ModuleType, name: str, dist: str | None) -> None:
         try:
             self.pm.register(module, name=name)
         except Exception as exc:
             self._fail(name, dist, exc)
             return
-        version = None
-        if dist:
-            try:
-                version = metadata.version(dist)
-            except metadata.PackageNotFoundError:
-                version = None
         self._info[name] = PluginInfo(
-            name=name, distribution=dist, version=version, module=module.__name__
+            name=name, distribution=dist, version=_version(dist), module=module.__name__
         )
 
     def _misnamed_hook(self, module: ModuleType) -> str | None:
@@ -329,138 +320,130 @@ class PluginManager:
         failure = PluginFailure(name, dist, exc, "".join(traceback.format_exception(exc)))
         self.failures.append(failure)
         message = str(failure) + (f" ({hint})" if hint else "")
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        warnings.warn(message, PluginLoadWarning, stacklevel=3)
+
+    def _problem(self, message: str) -> None:
+        self.problems.append(message)
+        warnings.warn(message, PluginLoadWarning, stacklevel=3)
+
+    # --- what is installed --------------------------------------------------------------
+
+    def provider_status(self, distribution: str) -> str:
+        """Why ``distribution`` provides nothing here, as a sentence that says what to do:
+        not installed (``pip install ...``), installed but disabled or not selected, or
+        installed but failed to load."""
+        self.load()
+        key = _normalize(distribution)
+        failed = [
+            str(f) for f in self.failures if f.distribution and _normalize(f.distribution) == key
+        ]
+        if failed:
+            return f"It is provided by {distribution}, which failed to load: {'; '.join(failed)}."
+        for skipped in self.skipped:
+            if skipped.distribution and _normalize(skipped.distribution) == key:
+                return (
+                    f"It is provided by {distribution}, which is installed but disabled "
+                    f"({skipped.explain()})."
+                )
+        if key in self._installed or any(
+            i.distribution and _normalize(i.distribution) == key for i in self._info.values()
+        ):
+            version = _version(distribution)
+            return (
+                f"It is provided by {distribution}, which is installed"
+                f"{f' (version {version})' if version else ''} but does not provide it; "
+                f"upgrade it: pip install -U {distribution}."
+            )
+        return (
+            f"It is provided by {distribution}, which is not installed: pip install {distribution}."
+        )
 
     # --- registries -----------------------------------------------------------------------
 
-    def registry(self, kind: str) -> Mapping[str, Provided]:
+    def registry(self, kind: str) -> NamedRegistry[Any]:
         """Everything of ``kind`` ("service", "dispatcher", "adapter") the plugins offer."""
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        return self.collect(kind, _HOOK_FOR_KIND[kind], providers=KNOWN_PROVIDERS)
+
+    def collect(
+        self,
+        kind: str,
+        hook_name: str,
+        *,
+        providers: Mapping[str, str] | None = None,
+        error: Callable[[str], Exception] = UnknownNameError,
+    ) -> NamedRegistry[Any]:
+        """The registry of ``kind`` filled, once, by every implementation of the plugin hook
+        ``hook_name`` (``register(name, target, *, parse=None, description="")``).
+
+        This is how a package that adds its own hookspecs gets a registry of what plugins
+        register through them.  Failures of individual plugins are recorded in
+        :attr:`failures`; a failed lookup's error (``error``) names them.
+        """
         self.load()
         with self._lock:
-            if self._registries is None:
-                self._registries = self._collect()
-        return self._registries[kind]
-
-    def _collect(self) -> dict[str, dict[str, Provided]]:
-        registries: dict[str, dict[str, Provided]] = {kind: {} for kind in KINDS}
-        for kind, hook_name in _HOOK_FOR_KIND.items():
-            hook = getattr(self.pm.hook, hook_name)
-            for impl in reversed(hook.get_hookimpls()):  # registration order
-                info = self._info.get(impl.plugin_name)
-                dist = info.distribution if info else None
-                entries = registries[kind]
-
-                def register(
-                    name: str,
-                    target: Any,
-                    *,
-                    parse: Callable[[Spec], Any] | None = None,
-                    description: str = "",
-                    _kind: str = kind,
-                    _plugin: str = impl.plugin_name,
-                    _dist: str | None = dist,
-                    _entries: dict[str, Provided] = entries,
-                    _info: PluginInfo | None = info,
-                ) -> None:
-                    if not isinstance(name, str) or not name:
-                        raise ValueError(
-                            f"plugin {_plugin!r} registered a {_kind} with invalid name {name!r}"
-                        )
-                    if not callable(target) and not (
-                        isinstance(target, str) and _LAZY_TARGET.match(target)
-                    ):
-                        raise TypeError(
-                            f"plugin {_plugin!r}: {_kind} {name!r} target must be callable or a "
-                            f"'module.path:Name' string, got {target!r}"
-                        )
-                    new = Provided(
-                        _kind, name, target, parse, description or _doc(target), _plugin, _dist
-                    )
-                    old = _entries.get(name)
-                    if old is not None:
-                        raise PluginConflictError(
-                            f"two plugins provide the {_kind} {name!r}: {old.distribution or old.plugin} "
-                            f"(plugin {old.plugin!r}) and {_dist or _plugin} (plugin {_plugin!r}); "
-                            f"disable one with SAKURA_DISABLED_PLUGINS"
-                        )
-                    _entries[name] = new
-                    if _info is not None:
-                        _info.provides.setdefault(_kind, []).append(name)
-
-                try:
-                    impl.function(register=register)
-                except PluginConflictError:
-                    raise
-                except Exception as exc:
-                    self._fail(impl.plugin_name, dist, exc)
-        return registries
-
-    def resolve(self, kind: str, name: str) -> Provided:
-        """The registration called ``name``; UnknownNameError listing the choices if none."""
-        entries = self.registry(kind)
-        found = entries.get(name)
-        if found is not None:
-            return found
-        raise UnknownNameError(self.unknown_message(kind, name, list(entries)))
-
-    def unknown_message(self, kind: str, name: str, available: list[str]) -> str:
-        parts = [f"unknown {kind} {name!r}."]
-        provider = KNOWN_PROVIDERS.get(name)
-        if provider:
-            parts.append(
-                f"It is provided by {provider}, which is not installed: pip install {provider}."
+            found = self._registries.get(hook_name)
+            if found is not None:
+                return found
+            hook = getattr(self.pm.hook, hook_name, None)
+            if hook is None or getattr(hook, "spec", None) is None:
+                raise ValueError(
+                    f"no plugin hook {hook_name!r} is declared; a package declares it with "
+                    f"sakura_add_hookspecs{self._did_you_mean(hook_name, sorted(h for h in dir(self.pm.hook) if h.startswith('sakura_register_')))}"
+                )
+            registry: NamedRegistry[Any] = NamedRegistry(
+                kind,
+                providers=providers,
+                error=error,
+                missing=lambda _name, provider: self.provider_status(provider),
+                notes=self._failure_notes,
             )
-        hint = nearest(name, available)
-        if hint:
-            parts.append(f"Did you mean {hint!r}?")
-        parts.append(f"Available {kind}s: {', '.join(sorted(available)) or 'none'}.")
+
+            def record(plugin: str, entry: Entry[Any]) -> None:
+                info = self._info.get(plugin)
+                if info is not None:
+                    info.provides.setdefault(kind, []).append(entry.name)
+
+            fill_from_hook(
+                registry,
+                hook,
+                {name: info.distribution for name, info in self._info.items()},
+                on_error=self._fail,
+                on_register=record,
+            )
+            self._registries[hook_name] = registry
+            return registry
+
+    def _failure_notes(self) -> list[str]:
         broken = [str(f) for f in self.failures]
-        if broken:
-            parts.append("Plugins that failed to load: " + "; ".join(broken) + ".")
-        return " ".join(parts)
+        return ["Plugins that failed to load: " + "; ".join(broken) + "."] if broken else []
+
+    def resolve(self, kind: str, name: str) -> Provided[Any]:
+        """The registration called ``name``; UnknownNameError listing the choices if none."""
+        return self.registry(kind).get(name)
 
     def create(self, kind: str, spec: str | Spec | Mapping[str, Any]) -> Any:
         """Build a service/dispatcher/adapter from a spec string, Spec, or a mapping with a
         ``name`` key and keyword options (as config files write it)."""
-        if isinstance(spec, Mapping):
-            options = dict(spec)
-            name = options.pop("name", None)
-            if not isinstance(name, str):
-                raise SpecError(
-                    f"a {kind} given as a table needs a 'name' key (a string); got {spec!r}"
-                )
-            parsed = Spec(name=name, kwargs=options, text=name)
-        elif isinstance(spec, Spec):
-            parsed = spec
-        else:
-            parsed = parse_spec(spec)
-        return self.resolve(kind, parsed.name).create(parsed)
+        return self.registry(kind).create(spec)
 
     def export(self, kind: str, attribute: str) -> Any:
         """The class a facade exports as ``attribute`` (``MixedPrecision``)."""
-        for provided in self.registry(kind).values():
-            if provided.export_name == attribute:
-                return provided.load()
-        raise UnknownNameError(attribute)
+        found = self.registry(kind).exports().get(attribute)
+        if found is None:
+            raise UnknownNameError(attribute)
+        return found.load()
 
-    def exports(self, kind: str) -> dict[str, Provided]:
+    def exports(self, kind: str) -> dict[str, Provided[Any]]:
         """Facade attribute name -> registration, for every class-valued registration."""
-        return {p.export_name: p for p in self.registry(kind).values() if p.export_name}
+        return self.registry(kind).exports()
 
     def plugins(self) -> list[PluginInfo]:
         """Loaded plugins with what each provides."""
         for kind in KINDS:
             self.registry(kind)
         return list(self._info.values())
-
-
-def _doc(target: Any) -> str:
-    if isinstance(target, str):
-        return ""
-    doc = inspect.getdoc(target) or ""
-    return doc.strip().splitlines()[0] if doc.strip() else ""
 
 
 _MANAGERS: dict[tuple[Any, ...], PluginManager] = {}
@@ -473,18 +456,15 @@ def get_plugin_manager(
     disabled: Iterable[str] | None = None,
     autoload: bool | None = None,
 ) -> PluginManager:
-    """The shared plugin manager for these settings (environment fills what is not given)."""
-    if plugins is None and "SAKURA_PLUGINS" in os.environ:
-        plugins = _split_env(os.environ["SAKURA_PLUGINS"])
+    """The shared plugin manager for these settings (environment fills what is not given:
+    ``SAKURA_PLUGINS``, ``SAKURA_DISABLED_PLUGINS``, ``SAKURA_DISABLE_PLUGIN_AUTOLOAD``,
+    parsed by :mod:`sakura.env` as the config reader parses them)."""
+    if plugins is None:
+        plugins = env_list("SAKURA_PLUGINS")
     if disabled is None:
-        disabled = _split_env(os.environ.get("SAKURA_DISABLED_PLUGINS"))
+        disabled = env_list("SAKURA_DISABLED_PLUGINS") or []
     if autoload is None:
-        autoload = os.environ.get("SAKURA_DISABLE_PLUGIN_AUTOLOAD", "") not in (
-            "1",
-            "true",
-            "True",
-            "yes",
-        )
+        autoload = not env_flag("SAKURA_DISABLE_PLUGIN_AUTOLOAD", False)
     key = (tuple(plugins) if plugins is not None else None, tuple(disabled), autoload)
     with _MANAGERS_LOCK:
         manager = _MANAGERS.get(key)
