@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from sakura import STEP_SKIPPED, SakuraRuntime, Service, StepSkipped
+from sakura.resume import ServiceStateWarning
 
 torch = pytest.importorskip("torch")
 
@@ -269,14 +270,17 @@ def test_state_dict_round_trip_through_torch_save(tmp_path: Any) -> None:
 
 
 def test_load_state_dict_strictness() -> None:
+    """strict=True raises one KeyError listing both kinds; the default warns (the full
+    semantics are in test_resume.py)."""
     rt = SakuraRuntime([Scaler()])
     with pytest.raises(
         KeyError, match=r"state for service\(s\) \['ghost'\] that are not installed"
     ):
-        rt.load_state_dict({"ghost": {}, "scaler": {"scale": 1.0, "steps": 0}})
+        rt.load_state_dict({"ghost": {}, "scaler": {"scale": 1.0, "steps": 0}}, strict=True)
     with pytest.raises(KeyError, match=r"no state for installed service\(s\) \['scaler'\]"):
-        rt.load_state_dict({})
-    rt.load_state_dict({"ghost": {}}, strict=False)
+        rt.load_state_dict({}, strict=True)
+    with pytest.warns(ServiceStateWarning, match="ghost"):
+        rt.load_state_dict({"ghost": {}, "scaler": {"scale": 1.0, "steps": 0}})
     with pytest.raises(TypeError, match="state must be a mapping"):
         rt.load_state_dict([("scaler", {})])  # type: ignore[arg-type]
 

@@ -1,11 +1,13 @@
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 import pytest
 
 from sakura import (
+    ConfigError,
     InvalidServiceError,
     OnEpochBegin,
     OnEpochEnd,
@@ -15,6 +17,7 @@ from sakura import (
     SakuraRuntime,
     Service,
 )
+from sakura.options import OptionError
 from sakura.testing import RecordingService
 
 
@@ -160,15 +163,18 @@ def test_service_base_class_derives_a_name() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"rank": -1}, "rank must be"),
-        ({"world_size": 0}, "world_size must be"),
-        ({"rank": 2, "world_size": 2}, r"rank must be in \[0, world_size=2\)"),
-        ({"strict": "yes"}, "strict must be"),
-        ({"history": 1}, "history must be"),
+        ({"rank": -1}, "SakuraRuntime: rank=-1 is not accepted; accepted: an int >= 0"),
+        ({"world_size": 0}, "world_size=0 is not accepted; accepted: an int >= 1"),
+        (
+            {"rank": 2, "world_size": 2},
+            "rank=2 is not accepted; accepted: an int >= 0 and < world_size=2",
+        ),
+        ({"strict": "yes"}, "strict='yes' is not accepted; accepted: True or False"),
+        ({"history": 1}, "history=1 is not accepted; accepted: True or False"),
     ],
 )
 def test_runtime_options_are_validated(kwargs: dict[str, Any], message: str) -> None:
-    with pytest.raises((ValueError, TypeError), match=message):
+    with pytest.raises(OptionError, match=re.escape(message)):
         SakuraRuntime(**kwargs)
 
 
@@ -182,7 +188,11 @@ def test_rank_and_world_size_come_from_torchrun_environment(
     assert (rt.rank, rt.world_size) == (1, 3)
     assert event is not None and (event.rank, event.world_size) == (1, 3)
     monkeypatch.setenv("RANK", "x")
-    with pytest.raises(ValueError, match="RANK must be an integer"):
+    with pytest.raises(ConfigError, match=r"RANK='x' is not accepted; accepted: an integer >= 0"):
+        SakuraRuntime()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "0")
+    with pytest.raises(ConfigError, match=r"WORLD_SIZE='0' is not accepted"):
         SakuraRuntime()
 
 

@@ -12,28 +12,31 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
+from sakura._coordinated import CoordinatedCalls, annotate
+from sakura._routing import build_routes, make_dispatcher
+from sakura.env import env_int
 from sakura.errors import InvalidServiceError, SakuraError, nearest
-from sakura.events import EVENT_TYPES, Event, OnError
-from sakura.service import EVENT_HOOKS, implemented_hooks, validate_service
-from sakura.step import STEP_SKIPPED
+from sakura.events import Event, OnError
+from sakura.options import check_bool, check_int, option_error
+from sakura.resume import ServiceStateError, ServiceStateWarning
+from sakura.service import validate_service
 
 if TYPE_CHECKING:
     from sakura.config import SakuraConfig
 
-__all__ = ["HandlerError", "SakuraRuntime"]
+__all__ = ["HandlerError", "SakuraRuntime", "ServiceStateError", "ServiceStateWarning"]
 
 logger = logging.getLogger("sakura")
 
 E = TypeVar("E", bound=Event)
 S = TypeVar("S")
 
-_NULL_CONTEXT: AbstractContextManager[None] = nullcontext()
 _LOOP_SOURCE = "training loop"
+_OWNER = "SakuraRuntime"
 
 
 class HandlerError:
@@ -53,13 +56,7 @@ class HandlerError:
         )
 
 
-def _annotate(exc: BaseException, service: Any, call: str) -> None:
-    note = f"raised by sakura service {getattr(service, 'name', service)!r} in {call}()"
-    if hasattr(exc, "add_note"):  # Python >= 3.11
-        exc.add_note(note)
-
-
-class SakuraRuntime:
+class SakuraRuntime(CoordinatedCalls):
     """The event bus and service registry.
 
     Args:
@@ -86,17 +83,17 @@ class SakuraRuntime:
         history: bool = True,
     ) -> None:
         if rank is None:
-            rank = _env_int("RANK", 0)
+            rank = env_int("RANK", 0, minimum=0)
         if world_size is None:
-            world_size = _env_int("WORLD_SIZE", 1)
-        _check_int("world_size", world_size, minimum=1)
-        _check_int("rank", rank, minimum=0)
+            world_size = env_int("WORLD_SIZE", 1, minimum=1)
+        world_size = check_int("world_size", world_size, minimum=1, owner=_OWNER)
+        rank = check_int("rank", rank, minimum=0, owner=_OWNER)
         if rank >= world_size:
-            raise ValueError(f"rank must be in [0, world_size={world_size}), got rank={rank}")
-        if not isinstance(strict, bool):
-            raise TypeError(f"strict must be a bool, got {strict!r}")
-        if not isinstance(history, bool):
-            raise TypeError(f"history must be a bool, got {history!r}")
+            raise option_error(
+                "rank", rank, f"an int >= 0 and < world_size={world_size}", owner=_OWNER
+            )
+        check_bool("strict", strict, owner=_OWNER)
+        check_bool("history", history, owner=_OWNER)
         self.rank: int = rank
         self.world_size: int = world_size
         self.strict: bool = strict
@@ -117,6 +114,9 @@ class SakuraRuntime:
         self.last_step_skipped: bool = False
         """Whether the last :meth:`optimizer_step` was owned by a service that skipped it
         (it returned :data:`~sakura.STEP_SKIPPED`); a loop leaves its LR scheduler alone then."""
+        self.orphaned_state: dict[str, Any] = {}
+        """Service state from the last :meth:`load_state_dict` that no installed service
+        could load; :meth:`state_dict` writes it again (see :mod:`sakura.resume`)."""
         for service in services:
             self.install(service)
 
@@ -140,9 +140,10 @@ class SakuraRuntime:
         Precedence, highest first: the arguments given here (an explicit ``path``
         included); the environment (``SAKURA_PLUGINS``, ``SAKURA_DISABLED_PLUGINS``,
         ``SAKURA_DISABLE_PLUGIN_AUTOLOAD``, ``SAKURA_CONFIG``); ``./sakura.toml``;
-        ``[tool.sakura]`` in ``./pyproject.toml``.  See ``docs/configuration.md``.
+        ``[tool.sakura]`` in ``./pyproject.toml``.  See ``docs/configuration.md`` and
+        :func:`sakura.config.runtime_from_config`, which does the work.
         """
-        from sakura.config import load_config
+        from sakura.config import load_config, runtime_from_config
 
         config = load_config(
             path,
@@ -152,24 +153,16 @@ class SakuraRuntime:
             strict=strict,
             history=history,
         )
-        return cls.from_loaded_config(config, rank=rank, world_size=world_size)
+        return runtime_from_config(config, rank=rank, world_size=world_size, runtime_class=cls)
 
     @classmethod
     def from_loaded_config(
         cls, config: SakuraConfig, *, rank: int | None = None, world_size: int | None = None
     ) -> SakuraRuntime:
         """Build a runtime from an already loaded :class:`~sakura.config.SakuraConfig`."""
-        from sakura.plugins import get_plugin_manager
+        from sakura.config import runtime_from_config
 
-        manager = get_plugin_manager(
-            plugins=config.plugins, disabled=config.disabled_plugins, autoload=config.autoload
-        )
-        rt = cls(rank=rank, world_size=world_size, strict=config.strict, history=config.history)
-        for spec in config.services:
-            if isinstance(spec, (str, Mapping)):
-                spec = manager.create("service", spec)
-            rt.install(spec)
-        return rt
+        return runtime_from_config(config, rank=rank, world_size=world_size, runtime_class=cls)
 
     # --- registry ---------------------------------------------------------------------
 
@@ -265,36 +258,21 @@ class SakuraRuntime:
         return f"no service named {name!r} is installed (installed: {self._names()}){extra}"
 
     def _rebuild(self) -> None:
-        table: dict[type[Event], list[Callable[[Any], Any]]] = {}
-        calls: dict[str, list[tuple[Any, Callable[..., Any]]]] = {}
-        for service in self._services:
-            hooks = implemented_hooks(service)
-            catch_all = hooks.get("on_event")
-            wanted = getattr(service, "event_types", None)
-            wanted_set = frozenset(wanted) if wanted is not None else None
-            for event_cls in EVENT_TYPES:
-                specific = hooks.get(event_cls.hook)
-                if specific is not None:
-                    table.setdefault(event_cls, []).append(specific)
-                if catch_all is not None and (wanted_set is None or event_cls in wanted_set):
-                    table.setdefault(event_cls, []).append(catch_all)
-            for hook, method in hooks.items():
-                if hook not in EVENT_HOOKS and hook != "on_event":
-                    calls.setdefault(hook, []).append((service, method))
-        self._table = {cls: tuple(handlers) for cls, handlers in table.items()}
+        """Resolve the routing tables again (see :mod:`sakura._routing`); the counts of the
+        dispatchers being replaced are kept."""
+        routes = build_routes(self._services)
+        self._table = routes.handlers
         for name, read in self._counters.items():
             self._counted[name] += read()
         self._counters = {}
         self._dispatch = {}
         for cls, handlers in self._table.items():
-            dispatch, reader = _make_dispatcher(handlers, self._handler_failed, self.history)
+            dispatch, reader = make_dispatcher(handlers, self._handler_failed, self.history)
             self._dispatch[cls] = dispatch
             if reader is not None:
                 self._counters[cls.__name__] = reader
-        self._calls = {hook: tuple(impls) for hook, impls in calls.items()}
-        self._implementers = {
-            hook: tuple(service.name for service, _ in impls) for hook, impls in calls.items()
-        }
+        self._calls = routes.calls
+        self._implementers = routes.implementers
 
     # --- events -----------------------------------------------------------------------
 
@@ -353,7 +331,7 @@ class SakuraRuntime:
         service = getattr(handler, "__self__", None)
         name = getattr(service, "name", repr(handler))
         if self.strict:
-            _annotate(exc, service, getattr(handler, "__name__", "handler"))
+            annotate(exc, service, getattr(handler, "__name__", "handler"))
             raise exc
         logger.error(
             "sakura service %r raised in %s(%s); training continues",
@@ -382,36 +360,7 @@ class SakuraRuntime:
             except Exception as nested:
                 logger.error("sakura OnError handler %r raised", other, exc_info=nested)
 
-    # --- coordinated calls --------------------------------------------------------------
-
-    def prepare(self, model: Any, optimizer: Any = None) -> tuple[Any, Any]:
-        """Thread ``model`` through every ``wrap_model`` and then ``optimizer`` through every
-        ``wrap_optimizer``, in priority order.  Returns ``(model, optimizer)``."""
-        model = self.wrap_model(model)
-        if optimizer is not None:
-            optimizer = self.wrap_optimizer(optimizer)
-        return model, optimizer
-
-    def wrap_model(self, model: Any) -> Any:
-        """Thread ``model`` through every service's ``wrap_model`` (what ``prepare`` does
-        first); for adapters whose framework sets up the model and optimizers apart."""
-        for service, wrap in self._calls.get("wrap_model", ()):
-            try:
-                model = wrap(model)
-            except BaseException as exc:
-                _annotate(exc, service, "wrap_model")
-                raise
-        return model
-
-    def wrap_optimizer(self, optimizer: Any) -> Any:
-        """Thread ``optimizer`` through every service's ``wrap_optimizer``."""
-        for service, wrap in self._calls.get("wrap_optimizer", ()):
-            try:
-                optimizer = wrap(optimizer)
-            except BaseException as exc:
-                _annotate(exc, service, "wrap_optimizer")
-                raise
-        return optimizer
+    # --- coordinated calls (the methods themselves: sakura._coordinated) ----------------
 
     def implements(self, call: str) -> tuple[str, ...]:
         """Names of the installed services implementing the coordinated call or lifecycle
@@ -421,159 +370,6 @@ class SakuraRuntime:
         can take effect in their framework.
         """
         return self._implementers.get(call, ())  # built at install: adapters ask per step
-
-    def autocast(self) -> AbstractContextManager[Any]:
-        """A context manager for the forward pass that enters every service's ``autocast()``
-        in priority order (a shared no-op context when no service provides one)."""
-        impls = self._calls.get("autocast")
-        if impls is None:
-            return _NULL_CONTEXT
-        if len(impls) == 1:
-            service, make = impls[0]
-            try:
-                return make()  # type: ignore[no-any-return]
-            except BaseException as exc:
-                _annotate(exc, service, "autocast")
-                raise
-        return self._stacked_autocast(impls)
-
-    @contextmanager
-    def _stacked_autocast(
-        self, impls: tuple[tuple[Any, Callable[..., Any]], ...]
-    ) -> Iterator[None]:
-        with ExitStack() as stack:
-            for service, make in impls:
-                try:
-                    stack.enter_context(make())
-                except BaseException as exc:
-                    _annotate(exc, service, "autocast")
-                    raise
-            yield
-
-    def scale_loss(self, loss: Any) -> Any:
-        """Thread ``loss`` through every service's ``wrap_loss`` in priority order."""
-        for service, wrap in self._calls.get("wrap_loss", ()):
-            try:
-                loss = wrap(loss)
-            except BaseException as exc:
-                _annotate(exc, service, "wrap_loss")
-                raise
-        return loss
-
-    def backward(self, loss: Any, **kwargs: Any) -> None:
-        """``scale_loss(loss).backward(**kwargs)``.  Emits no events: the loop or adapter
-        emits OnBeforeBackward / OnAfterBackward around it."""
-        self.scale_loss(loss).backward(**kwargs)
-
-    def unscale_gradients(self, optimizer: Any) -> None:
-        """Ask every service to bring ``optimizer``'s gradients back to their true scale."""
-        for service, unscale in self._calls.get("unscale_gradients", ()):
-            try:
-                unscale(optimizer)
-            except BaseException as exc:
-                _annotate(exc, service, "unscale_gradients")
-                raise
-
-    def clip_grad_norm_(
-        self,
-        optimizer: Any,
-        max_norm: float,
-        norm_type: float = 2.0,
-        *,
-        parameters: Iterable[Any] | None = None,
-        error_if_nonfinite: bool = False,
-    ) -> Any:
-        """Clip gradients by norm after unscaling them (once) through the services.
-
-        ``parameters`` defaults to every parameter of ``optimizer``'s param groups.
-        Returns the total norm, as ``torch.nn.utils.clip_grad_norm_`` does.
-        """
-        import torch
-
-        if not (isinstance(max_norm, (int, float)) and max_norm > 0):
-            raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
-        self.unscale_gradients(optimizer)
-        if parameters is None:
-            parameters = [p for group in optimizer.param_groups for p in group["params"]]
-        return torch.nn.utils.clip_grad_norm_(
-            parameters, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
-        )
-
-    def optimizer_step(self, optimizer: Any) -> bool:
-        """Offer the step to the services in priority order.
-
-        Returns True when one of them owned it (performed or deliberately skipped it): the
-        loop must then not call ``optimizer.step()`` itself.  :attr:`last_step_skipped`
-        says whether the owner skipped it (returned :data:`~sakura.STEP_SKIPPED`).  Usage::
-
-            if not rt.optimizer_step(optimizer):
-                optimizer.step()
-            if not rt.last_step_skipped:
-                scheduler.step()
-        """
-        for service, step in self._calls.get("optimizer_step", ()):
-            try:
-                owned = step(optimizer)
-            except BaseException as exc:
-                self.last_step_skipped = False
-                _annotate(exc, service, "optimizer_step")
-                raise
-            if owned:
-                self.last_step_skipped = owned is STEP_SKIPPED
-                return True
-        self.last_step_skipped = False
-        return False
-
-    def state_dict(self) -> dict[str, Any]:
-        """The state of every service that has one, keyed by service name."""
-        state: dict[str, Any] = {}
-        for service, get_state in self._calls.get("state_dict", ()):
-            try:
-                state[service.name] = get_state()
-            except BaseException as exc:
-                _annotate(exc, service, "state_dict")
-                raise
-        return state
-
-    def load_state_dict(self, state: Mapping[str, Any], *, strict: bool = True) -> None:
-        """Give each service its entry of ``state`` (from :meth:`state_dict`).
-
-        With ``strict=True`` (the default) an entry for a service that is not installed,
-        or an installed stateful service without an entry, is an error.
-        """
-        if not isinstance(state, Mapping):
-            raise TypeError(
-                f"state must be a mapping of service name -> state, got {type(state).__name__}"
-            )
-        loaders = {
-            service.name: (service, load)
-            for service, load in self._calls.get("load_state_dict", ())
-        }
-        if strict:
-            unknown = sorted(set(state) - set(loaders))
-            if unknown:
-                raise KeyError(
-                    f"checkpoint has state for service(s) {unknown} that are not installed or cannot "
-                    f"load state (installed stateful services: {sorted(loaders) or 'none'}); "
-                    f"install them or pass strict=False"
-                )
-            stateful = {service.name for service, _ in self._calls.get("state_dict", ())}
-            missing = sorted((stateful & set(loaders)) - set(state))
-            if missing:
-                raise KeyError(
-                    f"checkpoint has no state for installed service(s) {missing}; pass strict=False "
-                    f"to start them fresh"
-                )
-        for name, service_state in state.items():
-            entry = loaders.get(name)
-            if entry is None:
-                continue
-            service, load = entry
-            try:
-                load(service_state)
-            except BaseException as exc:
-                _annotate(exc, service, "load_state_dict")
-                raise
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -596,7 +392,7 @@ class SakuraRuntime:
             try:
                 setup(self)
             except BaseException as exc:
-                _annotate(exc, service, "setup")
+                annotate(exc, service, "setup")
                 raise
         self._set_up.add(service.name)
 
@@ -633,7 +429,7 @@ class SakuraRuntime:
             try:
                 drain()
             except BaseException as exc:  # KeyboardInterrupt while draining: still tear down
-                _annotate(exc, service, "drain")
+                annotate(exc, service, "drain")
                 problems.append(exc)
         for service in reversed(set_up):
             teardown = getattr(service, "teardown", None)
@@ -643,7 +439,7 @@ class SakuraRuntime:
             try:
                 teardown()
             except BaseException as exc:
-                _annotate(exc, service, "teardown")
+                annotate(exc, service, "teardown")
                 problems.append(exc)
         self._running = False
         for problem in problems:
@@ -656,51 +452,3 @@ class SakuraRuntime:
         return (
             f"<SakuraRuntime {state} rank={self.rank}/{self.world_size} services=[{self._names()}]>"
         )
-
-
-def _make_dispatcher(
-    handlers: tuple[Callable[[Any], Any], ...],
-    failed: Callable[[Callable[[Any], Any], Event, Exception], None],
-    count: bool,
-) -> tuple[Callable[[Any], None], Callable[[], int] | None]:
-    """Generate ``dispatch(event)`` calling ``handlers`` in order, each under its own
-    ``try``, plus a reader of how many events it delivered (when ``count``).
-
-    Unrolled straight-line code with the handlers and the counter in closure cells is
-    what makes an emit cost about what a hand-written ``for`` loop over bound methods
-    costs: no per-event dict update, no loop, no attribute lookups.
-    """
-    names = [f"h{i}" for i in range(len(handlers))]
-    lines = [f"def _factory(failed, {', '.join(names)}):"]
-    if count:
-        lines += ["    count = 0", "    def read():", "        return count"]
-    lines.append("    def dispatch(event):")
-    if count:
-        lines += ["        nonlocal count", "        count += 1"]
-    for name in names:
-        lines += [
-            "        try:",
-            f"            {name}(event)",
-            "        except Exception as exc:",
-            f"            failed({name}, event, exc)",
-        ]
-    lines.append("    return dispatch, " + ("read" if count else "None"))
-    namespace: dict[str, Any] = {}
-    exec("\n".join(lines), namespace)  # noqa: S102 - generated from the handler count only
-    dispatch, read = namespace["_factory"](failed, *handlers)
-    return dispatch, read
-
-
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
-
-
-def _check_int(option: str, value: Any, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{option} must be an int >= {minimum}, got {value!r}")
