@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Iterable
+
+from sakura.suggest import suggest_hook
 
 __all__ = [
     "ConfigError",
@@ -46,9 +47,13 @@ class PluginConflictError(SakuraError, RuntimeError):
 
 
 def nearest(name: str, candidates: Iterable[str]) -> str | None:
-    """The candidate closest to ``name``, if any is reasonably close."""
-    matches = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
-    return matches[0] if matches else None
+    """The candidate closest to ``name``, if any is reasonably close.
+
+    Another framework's name for a sakura hook counts as closest to that hook
+    (Lightning's ``on_train_start`` -> ``on_train_begin``, not the nearer spelling
+    ``on_train_step_end``); see :func:`sakura.suggest.suggest_hook`.
+    """
+    return suggest_hook(name, candidates)
 
 
 def add_note(error: BaseException, note: str) -> None:
