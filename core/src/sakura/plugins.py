@@ -88,11 +88,19 @@ KNOWN_PROVIDERS: dict[str, str] = {
     "lightning": "sakura-adapters",
     "hf": "sakura-adapters",
     "ddp": "sakura-adapters",
+    "hf_trainer": "sakura-adapters",
     "LightningAdapter": "sakura-adapters",
     "HFAdapter": "sakura-adapters",
+    "SakuraTrainer": "sakura-adapters",
     "DDPAdapter": "sakura-adapters",
+    "quant": "sakura-quant",
+    "QuantizedBase": "sakura-quant",
+    "offload_adamw": "sakura-offload",
+    "OffloadAdamW": "sakura-offload",
 }
-"""Names provided by first-party packages, so a missing one says what to install."""
+"""Names provided by first-party packages (spec names and facade class names), so a
+missing one says what to install.  ``core/tests/test_known_providers.py`` checks it against
+what each installed first-party package registers; names compare with ``-``/``_`` alike."""
 
 
 Provided = Entry
