@@ -224,8 +224,9 @@ class LightningBench:
     def run(self, key: str, steps: int, warmup: int, seed: int) -> tuple[float, float, float]:
         import lightning as L
         import torch
-        from sakura_adapters.lightning import LightningAdapter
         from torch.utils.data import DataLoader
+
+        from sakura_adapters.lightning import LightningAdapter
 
         total = warmup + steps + 1
         loader = DataLoader(_cycle_dataset(self.base, total), batch_size=None)
@@ -343,9 +344,10 @@ class HFBench:
         return BertForSequenceClassification(config)
 
     def run(self, key: str, steps: int, warmup: int, seed: int) -> tuple[float, float, float]:
-        from sakura_adapters.hf import HFAdapter, SakuraTrainer
         from transformers import Trainer, TrainingArguments
         from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+        from sakura_adapters.hf import HFAdapter, SakuraTrainer
 
         total = warmup + steps + 1
         args = TrainingArguments(

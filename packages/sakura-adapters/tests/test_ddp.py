@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from sakura_adapters.ddp import DDPAdapter
 
 from sakura import OnOptimizerStep, SakuraRuntime, Service
 from sakura.testing import RecordingService, launch_ranks
+from sakura_adapters.ddp import DDPAdapter
 
 EPOCHS, STEPS, BATCH = 2, 3, 8
 

@@ -16,13 +16,6 @@ pytest.importorskip("accelerate")
 
 import torch
 import torch.nn.functional as F
-from sakura_adapters.hf import (
-    STATE_FILE,
-    HFAdapter,
-    SakuraTrainer,
-    SakuraTrainerRequired,
-    state_file_name,
-)
 from torch import nn
 from transformers import (
     BertConfig,
@@ -34,6 +27,13 @@ from transformers import (
 from sakura import SakuraRuntime
 from sakura.events import OnError, OnLoadCheckpoint, OnTrainBegin, OnTrainStepEnd
 from sakura.testing.recording import RecordingService
+from sakura_adapters.hf import (
+    STATE_FILE,
+    HFAdapter,
+    SakuraTrainer,
+    SakuraTrainerRequired,
+    state_file_name,
+)
 
 N_TRAIN = 16
 N_EVAL = 8

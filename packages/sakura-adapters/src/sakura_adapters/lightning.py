@@ -69,6 +69,9 @@ class SakuraPrecision(Precision):
     ``Trainer(plugins=[SakuraPrecision(rt)])`` to use the runtime without the callback.
     """
 
+    inner: Precision
+    """The precision plugin this one wraps and delegates to."""
+
     def __init__(self, rt: SakuraRuntime, inner: Precision | None = None) -> None:
         super().__init__()
         self.rt = _check_runtime(rt)

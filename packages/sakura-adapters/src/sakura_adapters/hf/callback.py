@@ -1,0 +1,328 @@
+""":class:`HFAdapter`: the ``transformers.TrainerCallback`` that drives a sakura runtime.
+
+Every callback event becomes the matching sakura event (the table is in
+``docs/events.md``).  Under the stock Trainer it also applies the services' in-place
+wraps and autocast (:mod:`.wrapping`); under :class:`~sakura_adapters.hf.SakuraTrainer`
+it is bound to the trainer, which routes the rest of the step through the runtime.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from transformers import TrainerCallback
+
+from sakura import events as ev
+from sakura.runtime import SakuraRuntime
+from sakura_adapters.hf.checks import (
+    check_runtime,
+    check_services,
+    check_single_compiler,
+    is_compiled,
+)
+from sakura_adapters.hf.optimizer import mark_step_skipped, service_optimizer
+from sakura_adapters.hf.state import checkpoint_dir, find_checkpoint, load_state, save_state
+from sakura_adapters.hf.wrapping import WrapRecord, patch_autocast
+
+if TYPE_CHECKING:
+    from sakura_adapters.hf.trainer import SakuraTrainer
+
+__all__ = ["HFAdapter"]
+
+
+class HFAdapter(TrainerCallback):
+    """Drive a :class:`~sakura.SakuraRuntime` from the Hugging Face ``Trainer``.
+
+    Pass it as a callback: ``Trainer(..., callbacks=[HFAdapter(rt)])``, or use
+    :class:`SakuraTrainer`, which adds one itself.  ``rank``/``world_size`` come from
+    ``args.process_index``/``args.world_size`` and are written to the runtime; ``step`` is
+    ``state.global_step`` (``+ 1`` once the optimizer stepped, as for Lightning) and
+    ``epoch`` the epoch the Trainer is in, counted from 0.
+
+    On the stock Trainer, services take effect where a callback can make them (see
+    :mod:`sakura_adapters.hf`); a service that needs :class:`SakuraTrainer` (loss scaling,
+    unscaling, owning the optimizer step, wrapping into a new object) stops training at
+    its start with :class:`SakuraTrainerRequired`, naming the service.  A sakura service
+    that controls precision together with the Trainer's own ``fp16``/``bf16`` is a
+    ValueError.
+    """
+
+    def __init__(self, rt: SakuraRuntime) -> None:
+        super().__init__()
+        self.rt = check_runtime(rt, "HFAdapter(rt=...)")
+        self._trainer_ref: Callable[[], Any] | None = None
+        self._epoch = 0
+        self._batch_idx = 0
+        self._eval_idx = 0
+        self._epoch_log_start = 0
+        self._marked_skip = False  # accelerate's step_was_skipped set by us, to clear
+        self._step_loss: Any = None
+        self._predicting = False
+        self._resume_path: str | None = None
+        self._wraps = WrapRecord(self.rt)
+
+    def __repr__(self) -> str:
+        mode = "SakuraTrainer" if self._trainer is not None else "callback"
+        return f"<HFAdapter ({mode}) {self.rt!r}>"
+
+    # --- helpers ----------------------------------------------------------------------
+
+    @property
+    def _trainer(self) -> SakuraTrainer | None:
+        """The SakuraTrainer this adapter belongs to; None under the stock Trainer."""
+        return self._trainer_ref() if self._trainer_ref is not None else None
+
+    def _bind(self, trainer: SakuraTrainer) -> None:
+        self._trainer_ref = weakref.ref(trainer)
+
+    def _emit(self, cls: type[ev.Event], state: Any, **fields: Any) -> None:
+        if self.rt.handles(cls):  # unhandled events cost one lookup, nothing is built
+            self.rt.emit(cls, step=state.global_step, epoch=self._epoch, **fields)
+
+    def _set_rank(self, args: Any) -> None:
+        self.rt.rank = int(args.process_index)
+        self.rt.world_size = int(args.world_size)
+
+    def _restore(self, args: Any, state: Any, model: Any) -> None:
+        if self._trainer is not None:
+            path, self._resume_path = self._resume_path, None
+        else:
+            path = find_checkpoint(self.rt, args, state)
+        if path is not None and load_state(self.rt, path, strict=True):
+            self._emit(ev.OnLoadCheckpoint, state, model=model, checkpoint=None, path=path)
+
+    def _add_loss(self, loss: Any) -> None:
+        """SakuraTrainer: sum the micro-batch losses of the step for OnTrainStepEnd."""
+        if self.rt.handles(ev.OnTrainStepEnd):
+            loss = loss.detach()
+            self._step_loss = loss if self._step_loss is None else self._step_loss + loss
+
+    def _begin_eval(self, state: Any, model: Any, *, predicting: bool) -> None:
+        self._eval_idx = 0
+        self._predicting = predicting
+        self._emit(ev.OnPredictBegin if predicting else ev.OnValidationBegin, state, model=model)
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    def on_init_end(
+        self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any
+    ) -> None:
+        self._set_rank(args)
+        self._epoch = 0
+        check_services(self.rt, args, self._trainer)
+        if self._trainer is None:
+            was = bool(getattr(args, "torch_compile", False)) and is_compiled(model)
+            self._wraps.wrap_model_in_place(model)
+            check_single_compiler(args, self.rt.implements("wrap_model"), was, model)
+            patch_autocast(self.rt, model)
+        self._emit(ev.OnSetup, state, stage="init", model=model)
+
+    def on_train_begin(
+        self,
+        args: Any,
+        state: Any,
+        control: Any,
+        model: Any = None,
+        optimizer: Any = None,
+        train_dataloader: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        self._set_rank(args)
+        trainer = self._trainer
+        check_services(self.rt, args, trainer)
+        if trainer is None:
+            self._wraps.check_model_wrapped(model, sakura_trainer=False)
+            patch_autocast(self.rt, model)
+            self._wraps.wrap_optimizer_in_place(optimizer)
+        else:
+            self._wraps.check_model_wrapped(trainer.model, sakura_trainer=True)
+            trainer._sakura_install_hooks()
+        self._epoch = int(state.epoch or 0)
+        self._batch_idx = 0
+        self._step_loss = None
+        self._restore(args, state, model)
+        self._emit(ev.OnFitBegin, state, model=model)
+        self._emit(
+            ev.OnTrainBegin,
+            state,
+            model=model,
+            optimizer=service_optimizer(optimizer),
+            train_loader=train_dataloader,
+            # SakuraTrainer binds itself; a callback on the stock Trainer only has its state.
+            trainer=state if trainer is None else trainer,
+        )
+
+    def on_train_end(
+        self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any
+    ) -> None:
+        if self.rt.handles(ev.OnTrainEnd):
+            metrics = dict(state.log_history[-1]) if state.log_history else {}
+            self._emit(ev.OnTrainEnd, state, model=model, metrics=metrics)
+        self._emit(ev.OnFitEnd, state, model=model)
+
+    def on_epoch_begin(
+        self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any
+    ) -> None:
+        self._epoch = int(state.epoch or 0)
+        self._batch_idx = 0
+        self._epoch_log_start = len(state.log_history)
+        self._emit(ev.OnEpochBegin, state, model=model)
+
+    def on_epoch_end(
+        self,
+        args: Any,
+        state: Any,
+        control: Any,
+        model: Any = None,
+        optimizer: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        if not self.rt.handles(ev.OnEpochEnd):
+            return
+        metrics: dict[str, Any] = {}
+        for entry in state.log_history[self._epoch_log_start :]:
+            metrics.update(entry)
+        self._emit(
+            ev.OnEpochEnd,
+            state,
+            model=model,
+            optimizer=service_optimizer(optimizer),
+            metrics=metrics,
+        )
+
+    # --- training steps -----------------------------------------------------------------
+
+    def on_step_begin(
+        self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any
+    ) -> None:
+        trainer = self._trainer
+        if trainer is not None:
+            trainer._sakura_install_hooks()
+        self._step_loss = None
+        self._emit(ev.OnTrainStepBegin, state, model=model, batch=None, batch_idx=self._batch_idx)
+
+    def on_substep_end(
+        self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any
+    ) -> None:
+        self._emit(ev.OnSubstepEnd, state, model=model, batch_idx=self._batch_idx)
+        self._batch_idx += 1
+
+    def on_pre_optimizer_step(
+        self,
+        args: Any,
+        state: Any,
+        control: Any,
+        model: Any = None,
+        optimizer: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        if self.rt.handles(ev.OnBeforeOptimizerStep):
+            self._emit(
+                ev.OnBeforeOptimizerStep,
+                state,
+                model=model,
+                optimizer=service_optimizer(optimizer),
+            )
+
+    def on_optimizer_step(
+        self,
+        args: Any,
+        state: Any,
+        control: Any,
+        model: Any = None,
+        optimizer: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        # The Trainer calls this after the step and before zero_grad (its documented
+        # contract), so it is also the moment of OnBeforeZeroGrad.
+        step = state.global_step + 1
+        rt = self.rt
+        skipped = rt.last_step_skipped
+        if skipped or self._marked_skip:
+            self._marked_skip = mark_step_skipped(optimizer, skipped) and skipped
+        if rt.handles(ev.OnOptimizerStep) or rt.handles(ev.OnBeforeZeroGrad):
+            opt = service_optimizer(optimizer)
+            rt.emit(
+                ev.OnOptimizerStep,
+                step=step,
+                epoch=self._epoch,
+                model=model,
+                optimizer=opt,
+                skipped=skipped,
+            )
+            rt.emit(ev.OnBeforeZeroGrad, step=step, epoch=self._epoch, model=model, optimizer=opt)
+
+    def on_step_end(
+        self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any
+    ) -> None:
+        loss, self._step_loss = self._step_loss, None
+        self._emit(
+            ev.OnTrainStepEnd,
+            state,
+            model=model,
+            batch=None,
+            batch_idx=self._batch_idx,
+            loss=loss,
+            outputs=None,
+        )
+        self._batch_idx += 1
+
+    def on_log(
+        self,
+        args: Any,
+        state: Any,
+        control: Any,
+        logs: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self._emit(ev.OnLog, state, logs=logs)
+
+    # --- evaluation and prediction ------------------------------------------------------
+
+    def on_prediction_step(
+        self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any
+    ) -> None:
+        cls = ev.OnPredictBatchEnd if self._predicting else ev.OnValidationBatchEnd
+        self._emit(cls, state, model=model, batch=None, batch_idx=self._eval_idx, outputs=None)
+        self._eval_idx += 1
+
+    def on_evaluate(
+        self,
+        args: Any,
+        state: Any,
+        control: Any,
+        metrics: Mapping[str, Any] | None = None,
+        model: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        self._eval_idx = 0
+        self._emit(ev.OnValidationEnd, state, model=model, metrics=metrics)
+
+    def on_predict(
+        self,
+        args: Any,
+        state: Any,
+        control: Any,
+        metrics: Mapping[str, Any] | None = None,
+        model: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        self._eval_idx = 0
+        self._predicting = False
+        self._emit(ev.OnPredictEnd, state, model=model, metrics=metrics)
+
+    # --- checkpoints and publishing -----------------------------------------------------
+
+    def on_save(
+        self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any
+    ) -> None:
+        path = checkpoint_dir(args, state.global_step)
+        save_state(self.rt, path)
+        self._emit(ev.OnSaveCheckpoint, state, model=model, checkpoint=None, path=path)
+
+    def on_push_begin(
+        self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any
+    ) -> None:
+        self._emit(ev.OnPushBegin, state, model=model, path=args.output_dir)
