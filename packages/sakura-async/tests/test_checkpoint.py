@@ -10,7 +10,10 @@ from typing import Any
 
 import pytest
 import torch
-from sakura_async import AsyncCheckpoint, AsyncEval
+
+from sakura import OnEpochEnd, OnError, OnTrainBegin, OnTrainStepEnd, SakuraRuntime
+from sakura.testing import RecordingService
+from sakura_async import AsyncCheckpoint, AsyncEval, EvalTask
 from sakura_async.checkpoint import (
     find_checkpoints,
     load_best,
@@ -21,9 +24,6 @@ from sakura_async.checkpoint import (
 from sakura_async.dispatch import InThreadDispatcher, ThreadDispatcher
 from sakura_async.errors import CheckpointWriteError
 from sakura_async.snapshot import iter_tensors
-
-from sakura import OnEpochEnd, OnError, OnTrainBegin, OnTrainStepEnd, SakuraRuntime
-from sakura.testing import RecordingService
 
 
 def weights_after_each_epoch(world: Any, rt: SakuraRuntime, epochs: int) -> list[dict[str, Any]]:
@@ -116,7 +116,7 @@ def test_best_from_async_eval_saves_the_evaluated_epochs_weights(
     """AsyncEval's result for epoch e arrives during epoch e+1: the checkpoint must hold the
     weights of epoch e, not the live ones."""
 
-    def eval_fn(epoch: int, task: Any) -> dict[str, float]:
+    def eval_fn(epoch: int, task: EvalTask) -> dict[str, float]:
         return {"score": [0.5, 0.2, 0.4, 0.1][epoch]}
 
     with SakuraRuntime(strict=True) as rt:

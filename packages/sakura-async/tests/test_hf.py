@@ -12,14 +12,14 @@ pytest.importorskip("accelerate")
 
 import torch
 import torch.nn.functional as F
-from sakura_adapters.hf import HFAdapter, SakuraTrainer
-from sakura_async import AsyncCheckpoint, AsyncEval, load_latest
-from sakura_async.checkpoint import find_checkpoints
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from sakura import OnValidationEnd, SakuraRuntime
 from sakura.testing import RecordingService
+from sakura_adapters.hf import HFAdapter, SakuraTrainer
+from sakura_async import AsyncCheckpoint, AsyncEval, load_latest
+from sakura_async.checkpoint import find_checkpoints
 
 N_TRAIN, BATCH, EPOCHS = 16, 4, 3
 STEPS = N_TRAIN // BATCH
@@ -114,7 +114,7 @@ def test_async_eval_and_checkpoint_under_the_hf_trainer(
     reference = SyncReference()
     rec = RecordingService(event_types={OnValidationEnd})
     with SakuraRuntime([rec], strict=True) as rt:
-        ae = rt.install(AsyncEval(eval_fn, dispatcher="thread"))
+        ae = rt.install(AsyncEval(eval_fn, dispatcher="thread", pass_task=True))
         ckpt = rt.install(AsyncCheckpoint(tmp_path / "ckpt", every=1, keep=2, dispatcher="thread"))
         trainer = make_trainer(rt, tmp_path, reference, trainer_cls)
         if attach:
@@ -147,7 +147,7 @@ def test_auto_reporting_uses_a_trainer_state_carried_by_the_train_begin_event() 
     state = TrainerState()
     model = TinyRegressor()
     with SakuraRuntime(strict=True) as rt:
-        rt.install(AsyncEval(eval_fn, dispatcher="inthread"))
+        rt.install(AsyncEval(eval_fn, dispatcher="inthread", pass_task=True))
         rt.emit(OnTrainBegin, model=model, trainer=state)
         rt.emit(OnEpochEnd, epoch=0, step=4, model=model)
         rt.emit(OnTrainEnd, epoch=0, step=4, model=model)

@@ -11,12 +11,12 @@ from torch.utils.data import DataLoader, TensorDataset
 
 pl = pytest.importorskip("lightning.pytorch")
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
-from sakura_adapters.lightning import LightningAdapter  # noqa: E402
-from sakura_async import AsyncCheckpoint, AsyncEval, load_latest  # noqa: E402
-from sakura_async.checkpoint import find_checkpoints  # noqa: E402
 
 from sakura import OnValidationEnd, SakuraRuntime  # noqa: E402
 from sakura.testing import RecordingService  # noqa: E402
+from sakura_adapters.lightning import LightningAdapter  # noqa: E402
+from sakura_async import AsyncCheckpoint, AsyncEval, load_latest  # noqa: E402
+from sakura_async.checkpoint import find_checkpoints  # noqa: E402
 
 BATCH, STEPS = 4, 3
 
@@ -96,7 +96,7 @@ def test_async_eval_reaches_lightning_metrics_and_loggers(tmp_path: Path) -> Non
     rec = RecordingService(event_types={OnValidationEnd})
     logger = CSVLogger(str(tmp_path), name="logs")
     with SakuraRuntime([rec], strict=True) as rt:
-        rt.install(AsyncEval(eval_fn, dispatcher="thread"))
+        rt.install(AsyncEval(eval_fn, dispatcher="thread", pass_task=True))
         # The reference callback runs before the adapter: it sees the same epoch-end weights.
         trainer = make_trainer(rt, tmp_path, logger=logger, callbacks=[reference])
         trainer.fit(Tiny(), DataLoader(data(), batch_size=BATCH))

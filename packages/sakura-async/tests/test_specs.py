@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-import json
+import operator
 import os
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+import sakura.dispatch
+import sakura.services
 import sakura_async
+from sakura import SakuraRuntime, SpecError
+from sakura.plugins import get_plugin_manager
 from sakura_async import AsyncCheckpoint, AsyncEval
 from sakura_async.dispatch import (
     ClusterDispatcher,
@@ -17,11 +22,6 @@ from sakura_async.dispatch import (
     RemoteDispatcher,
     ThreadDispatcher,
 )
-
-import sakura.dispatch
-import sakura.services
-from sakura import SakuraRuntime, SpecError
-from sakura.plugins import get_plugin_manager
 
 
 def create(kind: str, spec: str) -> Any:
@@ -63,7 +63,7 @@ def test_async_eval_without_fn_needs_configure(world: Any) -> None:
         ValueError, match=r"no eval_fn: a spec string cannot carry a Python function"
     ):
         SakuraRuntime([service]).start()
-    service.configure(world.eval_fn, world.val_payload())
+    service.configure(world.eval_fn, world.val_payload(), pass_task=True)
     with SakuraRuntime([service], strict=True) as rt:
         world.train(rt, epochs=2)
     assert [r.epoch for r in service.history] == [1]
@@ -71,8 +71,11 @@ def test_async_eval_without_fn_needs_configure(world: Any) -> None:
 
 
 def test_async_eval_names_its_function_and_payload() -> None:
-    service = create("service", "async_eval:inthread,fn=json:dumps,payload=os:getcwd")
-    assert service.eval_fn is json.dumps and service.eval_payload == os.getcwd()
+    service = create("service", "async_eval:inthread,fn=operator:add,payload=os:getcwd")
+    assert service.eval_fn is operator.add and service.eval_payload == os.getcwd()
+    assert service.pass_task is False
+    service = create("service", "async_eval:inthread,fn=operator:add,pass_task=true")
+    assert service.pass_task is True
     assert isinstance(service.dispatcher, InThreadDispatcher)
 
 
@@ -96,7 +99,8 @@ def test_options_the_service_does_not_take_go_to_the_dispatcher() -> None:
         ("async_eval:thread,fn=json:nope", "has no attribute 'nope'"),
         ("async_eval:thread,fn=no_such_module_xyz:f", "cannot import"),
         ("async_eval:thread,eval_fn=x", "eval_fn cannot be given in a spec string"),
-        ("async_eval:thread,every=0", "every must be an int >= 1, got 0"),
+        ("async_eval:thread,every=0", "every=0 is not accepted; accepted: an int >= 1"),
+        ("async_eval:thread,fn=json:dumps", "cannot be called with two positional"),
         ("async_checkpoint:thread,every=often", "every must be"),
         ("async_checkpoint:thread,state_provider=x", "state_provider cannot be given"),
     ],

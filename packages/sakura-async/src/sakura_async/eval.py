@@ -1,20 +1,31 @@
-"""AsyncEval: evaluate each epoch's weights on a dispatcher while the next epoch trains.
+"""AsyncEval: run an evaluation at the end of each epoch off the training thread.
 
-At the end of an epoch (every ``every`` epochs) the service copies the model's
-``state_dict`` into reusable host buffers (:mod:`sakura_async.snapshot`) on the training
-thread, then submits ``eval_fn(epoch, task)`` to its dispatcher and returns.  ``task`` is an
-:class:`EvalTask`: ``task.state_dict`` holds exactly that epoch's weights,
-``task.payload`` what you passed as ``eval_payload`` (your validation data, a model to load
-the weights into...).  A typical ``eval_fn``::
+At the end of an epoch (every ``every`` epochs) the service submits ``eval_fn(epoch, ...)``
+to its dispatcher and returns; the next epoch trains while the evaluation runs.
+``eval_fn``'s second argument takes one of two forms:
 
-    def eval_fn(epoch, task):
-        model = task.load_into(task.payload["model"])  # the snapshot, loaded into a copy
-        with torch.no_grad():
-            loss = F.cross_entropy(model(task.payload["x"]), task.payload["y"])
-        return {"val_loss": loss.item()}
+* **payload** (the default, the reference contract): ``eval_fn(epoch, payload)`` receives
+  what you passed as ``eval_payload``.  The function evaluates whatever model it holds
+  (often the live one, which may already be training the next epoch)::
+
+      def eval_fn(epoch, payload):
+          with torch.no_grad():
+              return {"val_loss": F.mse_loss(model(payload["x"]), payload["y"]).item()}
+
+* **task** (``pass_task=True``, or ``eval_fn`` annotated to take an :class:`EvalTask`):
+  on the training thread the service first copies the model's ``state_dict`` into
+  reusable host buffers (:mod:`sakura_async.snapshot`); ``eval_fn(epoch, task)`` gets
+  :class:`EvalTask` whose ``task.state_dict`` is exactly that epoch's weights and
+  ``task.payload`` the ``eval_payload``::
+
+      def eval_fn(epoch: int, task: EvalTask):
+          model = task.load_into(task.payload["model"])  # the snapshot, loaded into a copy
+          with torch.no_grad():
+              loss = F.cross_entropy(model(task.payload["x"]), task.payload["y"])
+          return {"val_loss": loss.item()}
 
 Results come back on the training thread, in epoch order, as ``OnValidationEnd`` events
-(``epoch`` and ``step`` of the evaluated weights, ``model=None`` because the live model has
+(``epoch`` and ``step`` of the evaluated epoch, ``model=None`` because the live model has
 moved on), and reach the framework's metrics (see :mod:`sakura_async.reporting`).  At most
 ``max_pending`` evaluations are in flight: at an epoch end with that many unfinished, the
 training thread waits for the oldest.  Training end (``OnTrainEnd``) and the runtime's
@@ -25,6 +36,7 @@ goes on.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -32,9 +44,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sakura import OnError, OnValidationEnd, Service
+from sakura.errors import add_note
+from sakura.options import check_choice, check_int, option_error
 from sakura.runtime import SakuraRuntime
 from sakura_async._model import unwrap_model
-from sakura_async._options import check_choice, check_int
 from sakura_async.dispatch.base import Dispatcher, TaskFuture
 from sakura_async.dispatch.resolve import resolve_dispatcher
 from sakura_async.reporting import (
@@ -46,14 +59,16 @@ from sakura_async.reporting import (
 )
 from sakura_async.snapshot import Snapshot, SnapshotPool
 
-__all__ = ["AsyncEval", "EvalResult", "EvalTask", "run_eval"]
+__all__ = ["AsyncEval", "EvalResult", "EvalTask", "declares_task", "run_eval"]
 
 logger = logging.getLogger("sakura.async")
+
+_OWNER = "AsyncEval"
 
 
 @dataclass(frozen=True)
 class EvalTask:
-    """What ``eval_fn(epoch, task)`` receives."""
+    """What ``eval_fn(epoch, task)`` receives in the task form (``pass_task=True``)."""
 
     epoch: int
     """Epoch whose end the weights come from (counted from 0)."""
@@ -85,10 +100,100 @@ class EvalResult:
     timings: Any = None
 
 
-def run_eval(eval_fn: Callable[[int, EvalTask], Any], task: EvalTask) -> dict[str, Any]:
-    """What runs on the dispatcher: ``eval_fn(task.epoch, task)``, checked to return a
-    mapping of metric names to values (one-element tensors become Python numbers)."""
-    result = eval_fn(task.epoch, task)
+def _second_parameter(fn: Callable[..., Any]) -> inspect.Parameter | None:
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # builtins and some C callables have no signature
+        return None
+    positional = [
+        p
+        for p in params
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    return positional[1] if len(positional) >= 2 else None
+
+
+def declares_task(eval_fn: Callable[..., Any]) -> bool:
+    """Whether ``eval_fn``'s second parameter is annotated :class:`EvalTask` (the class, or
+    the string ``"EvalTask"``/``"...EvalTask"`` that ``from __future__ import annotations``
+    leaves)."""
+    param = _second_parameter(eval_fn)
+    if param is None or param.annotation is inspect.Parameter.empty:
+        return False
+    annotation = param.annotation
+    if annotation is EvalTask:
+        return True
+    return isinstance(annotation, str) and annotation.rsplit(".", 1)[-1] == "EvalTask"
+
+
+def _check_eval_fn(eval_fn: Any) -> Callable[..., Any]:
+    if not callable(eval_fn):
+        raise TypeError(
+            f"{_OWNER}: eval_fn={eval_fn!r} is not accepted; accepted: a callable "
+            f"eval_fn(epoch, payload) (or eval_fn(epoch, task) with pass_task=True)"
+        )
+    try:
+        inspect.signature(eval_fn).bind(0, None)
+    except ValueError:  # no signature to check
+        pass
+    except TypeError as exc:
+        raise TypeError(
+            f"{_OWNER}: eval_fn={eval_fn!r} is not accepted: it cannot be called with two "
+            f"positional arguments ({exc}); accepted: a callable eval_fn(epoch, payload)"
+        ) from None
+    return eval_fn  # type: ignore[no-any-return]
+
+
+def _check_pass_task(pass_task: Any) -> None:
+    if pass_task is not None and not isinstance(pass_task, bool):
+        raise option_error("pass_task", pass_task, "True, False or None", owner=_OWNER)
+
+
+def _resolve_form(eval_fn: Callable[..., Any] | None, pass_task: bool | None) -> bool:
+    """The form ``eval_fn`` gets: True for an :class:`EvalTask`, False for the payload."""
+    declared = eval_fn is not None and declares_task(eval_fn)
+    if pass_task is None:
+        return declared
+    _check_pass_task(pass_task)
+    if declared and not pass_task:
+        raise option_error(
+            "pass_task",
+            pass_task,
+            "True or None: eval_fn's second parameter is annotated EvalTask, so it expects "
+            "the snapshot task, not the payload",
+            owner=_OWNER,
+        )
+    return pass_task
+
+
+_TASK_ATTRIBUTES = frozenset({"state_dict", "load_into", "payload", "epoch", "step"})
+
+
+def run_eval(eval_fn: Callable[[int, Any], Any], epoch: int, argument: Any) -> dict[str, Any]:
+    """What runs on the dispatcher: ``eval_fn(epoch, argument)`` (``argument`` is the
+    payload, or an :class:`EvalTask`), checked to return a mapping of metric names to
+    values (one-element tensors become Python numbers)."""
+    try:
+        result = eval_fn(epoch, argument)
+    except AttributeError as exc:
+        if not isinstance(argument, EvalTask) and getattr(exc, "name", None) in _TASK_ATTRIBUTES:
+            add_note(
+                exc,
+                f"AsyncEval: eval_fn received eval_payload (a {type(argument).__name__}) as its "
+                f"second argument, the reference contract eval_fn(epoch, payload); to receive "
+                f"an EvalTask (task.state_dict, task.payload) pass AsyncEval(..., "
+                f"pass_task=True) or annotate the parameter as EvalTask",
+            )
+        raise
+    except (TypeError, KeyError) as exc:
+        if isinstance(argument, EvalTask) and "EvalTask" in str(exc):
+            add_note(
+                exc,
+                "AsyncEval: eval_fn received an EvalTask (pass_task=True or an EvalTask "
+                "annotation); the eval_payload is task.payload.  Without pass_task, "
+                "eval_fn(epoch, payload) receives the payload itself",
+            )
+        raise
     if not isinstance(result, Mapping):
         raise TypeError(
             f"eval_fn must return a mapping of metric name -> value (e.g. {{'val_loss': 0.3}}), "
@@ -109,29 +214,35 @@ class _Pending:
     epoch: int
     step: int
     future: TaskFuture
-    snapshot: Snapshot
+    snapshot: Snapshot | None
     reporter: Reporter | None = field(default=None)
 
 
 class AsyncEval(Service):
-    """Evaluate each epoch's weights off the training thread.
+    """Evaluate at each epoch end off the training thread.
 
     Args:
-        eval_fn: ``eval_fn(epoch, task) -> {"metric": value, ...}``; ``task`` is an
-            :class:`EvalTask`.  With a process, remote or cluster dispatcher it is sent with
+        eval_fn: ``eval_fn(epoch, payload) -> {"metric": value, ...}`` receiving
+            ``eval_payload`` (the reference contract), or, in the task form,
+            ``eval_fn(epoch, task)`` receiving an :class:`EvalTask` with a snapshot of that
+            epoch's weights.  With a process, remote or cluster dispatcher it is sent with
             cloudpickle (functions of ``__main__`` travel by value; functions of your own
             modules must be importable by the worker, or registered with
             ``cloudpickle.register_pickle_by_value``).  May be given later with
             :meth:`configure` (services built from a spec string), but before training.
-        eval_payload: passed to ``eval_fn`` as ``task.payload``.
+        eval_payload: the second argument of ``eval_fn`` (``task.payload`` in the task form).
         dispatcher: a dispatcher object (yours to close), a dispatcher name or spec
             (``"thread"``, ``"process"``, ``"remote:uri=..."``; the service closes it), or
             None for a :class:`~sakura_async.dispatch.ThreadDispatcher`.
+        pass_task: ``True`` for the task form: the service snapshots the model at each
+            evaluated epoch end and ``eval_fn`` gets an :class:`EvalTask`.  ``None`` (the
+            default) picks the task form when ``eval_fn``'s second parameter is annotated
+            ``EvalTask``, else the payload form.  ``False`` insists on the payload form.
         every: evaluate at the end of every ``every``-th epoch.
         max_pending: evaluations allowed in flight before the training thread waits.
-        state_provider: ``state_provider(model) -> state_dict`` to snapshot instead of
-            ``model.state_dict()`` (wrappers such as DDP and ``torch.compile`` are removed
-            first).
+        state_provider: task form only: ``state_provider(model) -> state_dict`` to snapshot
+            instead of ``model.state_dict()`` (wrappers such as DDP and ``torch.compile``
+            are removed first).
         report_to: ``"auto"`` (Lightning's trainer from the model; the Hugging Face
             Trainer, or its state, from ``OnTrainBegin.trainer``; a Trainer given with
             :meth:`attach`), ``None``/``"none"``, a ``lightning.Trainer``, a
@@ -147,10 +258,11 @@ class AsyncEval(Service):
 
     def __init__(
         self,
-        eval_fn: Callable[[int, EvalTask], Any] | None = None,
+        eval_fn: Callable[[int, Any], Any] | None = None,
         eval_payload: Any = None,
         dispatcher: Any = None,
         *,
+        pass_task: bool | None = None,
         every: int = 1,
         max_pending: int = 1,
         state_provider: Callable[[Any], Any] | None = None,
@@ -158,26 +270,31 @@ class AsyncEval(Service):
         ranks: str = "zero",
         name: str | None = None,
     ) -> None:
-        if eval_fn is not None and not callable(eval_fn):
-            raise TypeError(f"eval_fn must be callable eval_fn(epoch, task), got {eval_fn!r}")
+        if eval_fn is not None:
+            _check_eval_fn(eval_fn)
+        _check_pass_task(pass_task)
         if state_provider is not None and not callable(state_provider):
             raise TypeError(
-                f"state_provider must be callable state_provider(model) -> state_dict, got "
-                f"{state_provider!r}"
+                f"{_OWNER}: state_provider={state_provider!r} is not accepted; accepted: a "
+                f"callable state_provider(model) -> state_dict"
             )
         if not (dispatcher is None or isinstance(dispatcher, (str, Dispatcher))):
             resolve_dispatcher(dispatcher)  # raises the descriptive TypeError
+        if name is not None and (not isinstance(name, str) or not name):
+            raise option_error("name", name, "a non-empty string", owner=_OWNER)
         if name is not None:
-            if not isinstance(name, str) or not name:
-                raise ValueError(f"name must be a non-empty string, got {name!r}")
             self.name = name
         self.eval_fn = eval_fn
         self.eval_payload = eval_payload
-        self.every: int = check_int("every", every, minimum=1)
-        self.max_pending: int = check_int("max_pending", max_pending, minimum=1)
+        self._pass_task_option = pass_task
+        self.pass_task: bool = _resolve_form(eval_fn, pass_task)
+        """Whether ``eval_fn`` receives an :class:`EvalTask` (else the payload)."""
+        self.every: int = check_int("every", every, minimum=1, owner=_OWNER)
+        self.max_pending: int = check_int("max_pending", max_pending, minimum=1, owner=_OWNER)
         self.state_provider = state_provider
+        self._check_state_provider()
         self.report_to = check_report_to(report_to)
-        self.ranks: str = check_choice("ranks", ranks, ("zero", "all"))
+        self.ranks: str = check_choice("ranks", ranks, ("zero", "all"), owner=_OWNER)
         self._dispatcher_option = dispatcher
         self.dispatcher: Dispatcher | None = (
             dispatcher if isinstance(dispatcher, Dispatcher) else None
@@ -194,19 +311,42 @@ class AsyncEval(Service):
         self.errors: list[EvalResult] = []
         """The evaluations that failed."""
 
+    def _check_state_provider(self) -> None:
+        if self.state_provider is not None and not self.pass_task:
+            raise option_error(
+                "state_provider",
+                self.state_provider,
+                "None in the payload form: a state_provider chooses what the task form "
+                "snapshots; pass pass_task=True (eval_fn(epoch, task)) to use it",
+                owner=_OWNER,
+            )
+
     # --- configuration --------------------------------------------------------------------
 
     def configure(
-        self, eval_fn: Callable[[int, EvalTask], Any], eval_payload: Any = None
+        self,
+        eval_fn: Callable[[int, Any], Any],
+        eval_payload: Any = None,
+        *,
+        pass_task: bool | None = None,
     ) -> AsyncEval:
         """Give the evaluation function (and payload) to a service built without one, e.g.
-        from the spec string ``async_eval:thread``.  Returns the service."""
-        if not callable(eval_fn):
-            raise TypeError(f"eval_fn must be callable eval_fn(epoch, task), got {eval_fn!r}")
+        from the spec string ``async_eval:thread``.  ``pass_task`` as in the constructor
+        (None keeps the constructor's choice, or detects the ``EvalTask`` annotation).
+        Returns the service."""
+        _check_eval_fn(eval_fn)
+        chosen = self._pass_task_option if pass_task is None else pass_task
+        form = _resolve_form(eval_fn, chosen)
         self.eval_fn = eval_fn
         self.eval_payload = eval_payload
-        if self._pool is not None and self.dispatcher is not None:  # already set up
+        self._pass_task_option = chosen
+        self.pass_task = form
+        self._check_state_provider()
+        if self.rt is not None and self.dispatcher is not None and self._active():
+            # Already set up: stage the new payload, and make buffers for the task form.
             self._payload = self.dispatcher.stage(eval_payload)
+            if self.pass_task and self._pool is None:
+                self._pool = SnapshotPool(self.dispatcher.empty, max_sets=self.max_pending)
         return self
 
     def attach(self, trainer: Any) -> AsyncEval:
@@ -231,7 +371,8 @@ class AsyncEval(Service):
         if not self._active():
             return
         self.dispatcher.start()  # a worker process starts while the first epoch trains
-        self._pool = SnapshotPool(self.dispatcher.empty, max_sets=self.max_pending)
+        if self.pass_task:
+            self._pool = SnapshotPool(self.dispatcher.empty, max_sets=self.max_pending)
         # The payload goes with every evaluation: place it once where tasks get it cheaply.
         self._payload = self.dispatcher.stage(self.eval_payload)
 
@@ -286,6 +427,15 @@ class AsyncEval(Service):
                 self._lightning = trainer
 
     def _submit(self, event: Any) -> None:
+        dispatcher, pool = self.dispatcher, self._pool
+        if dispatcher is None or (self.pass_task and pool is None):
+            raise RuntimeError(
+                f"AsyncEval {self.name!r} is not set up (install it on a running runtime)"
+            )
+        if not self.pass_task:  # the reference contract: eval_fn(epoch, payload)
+            future = dispatcher.submit(run_eval, self.eval_fn, event.epoch, self._payload)
+            self._pending.append(_Pending(event.epoch, event.step, future, None, self._reporter()))
+            return
         model = event.model
         target = unwrap_model(model) if model is not None else None
         if self.state_provider is not None:
@@ -294,19 +444,17 @@ class AsyncEval(Service):
             state = target.state_dict()
         else:
             raise ValueError(
-                f"{type(event).__name__} carries no model; AsyncEval needs the model to snapshot "
-                f"(or a state_provider)"
+                f"{type(event).__name__} carries no model; AsyncEval(pass_task=True) needs the "
+                f"model to snapshot (or a state_provider)"
             )
-        if self._pool is None or self.dispatcher is None:
-            raise RuntimeError(
-                f"AsyncEval {self.name!r} is not set up (install it on a running runtime)"
-            )
-        snapshot = self._pool.take(state)
+        if pool is None:
+            raise RuntimeError(f"AsyncEval {self.name!r} has no snapshot buffers")
+        snapshot = pool.take(state)
         task = EvalTask(
             epoch=event.epoch, step=event.step, state_dict=snapshot.tree, payload=self._payload
         )
         try:
-            future = self.dispatcher.submit(run_eval, self.eval_fn, task)
+            future = dispatcher.submit(run_eval, self.eval_fn, event.epoch, task)
         except BaseException:
             snapshot.release()
             raise
@@ -331,7 +479,8 @@ class AsyncEval(Service):
         # Waits; a KeyboardInterrupt here leaves the item pending for drain() to deliver.
         error = item.future.exception()
         self._pending.popleft()
-        item.snapshot.release()
+        if item.snapshot is not None:
+            item.snapshot.release()
         rt = self.rt
         if error is not None:
             result = EvalResult(item.epoch, item.step, None, error, item.future.timings)
@@ -366,5 +515,6 @@ class AsyncEval(Service):
     def __repr__(self) -> str:
         return (
             f"<AsyncEval name={self.name!r} every={self.every} max_pending={self.max_pending} "
+            f"pass_task={self.pass_task} "
             f"dispatcher={self.dispatcher or self._dispatcher_option!r}>"
         )

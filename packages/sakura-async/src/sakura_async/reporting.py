@@ -19,6 +19,8 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from sakura.options import option_error
+
 __all__ = ["Reporter", "lightning_trainer_of", "make_reporter", "numeric_metrics"]
 
 logger = logging.getLogger("sakura.async")
@@ -96,21 +98,24 @@ def report_hf(trainer_or_state: Any, metrics: Mapping[str, Any], epoch: int, ste
 
 
 def check_report_to(value: Any) -> Any:
-    if value is None or value in ("auto", "none"):
+    if value is None or (isinstance(value, str) and value in ("auto", "none")):
         return value
     if _is_lightning_trainer(value) or _is_hf_trainer(value) or _is_hf_state(value):
         return value
     if callable(value):
         return value
-    raise ValueError(
-        f"report_to must be 'auto', 'none' or None, a lightning.Trainer, a transformers.Trainer "
-        f"or TrainerState, or a callable report(metrics, epoch, step); got {value!r}"
+    raise option_error(
+        "report_to",
+        value,
+        "'auto', 'none' or None, a lightning.Trainer, a transformers.Trainer or TrainerState, "
+        "or a callable report(metrics, epoch, step)",
+        owner="AsyncEval",
     )
 
 
 def make_reporter(target: Any) -> Reporter | None:
     """A reporter for an explicit target (not 'auto'), or None for no reporting."""
-    if target is None or target in ("none", "auto"):
+    if target is None or (isinstance(target, str) and target in ("none", "auto")):
         return None
     if _is_lightning_trainer(target):
         return lambda m, e, s: report_lightning(target, m, e, s)
