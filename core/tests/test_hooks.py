@@ -179,6 +179,9 @@ class Coordinated(Service):
     def unscale_gradients(self, optimizer: Any) -> None:
         self.unscaled.append(optimizer)
 
+    def loss_scale(self) -> float | None:
+        return 10.0
+
     def optimizer_step(self, optimizer: Any) -> bool:
         return optimizer == "mine"
 
@@ -213,6 +216,21 @@ def test_hook_unscale_gradients() -> None:
     service = Coordinated()
     SakuraRuntime([service]).unscale_gradients("opt")
     assert service.unscaled == ["opt"]
+
+
+def test_hook_loss_scale() -> None:
+    class NotScalingNow(Service):
+        def loss_scale(self) -> float | None:
+            return None
+
+    class Halves(Service):
+        def loss_scale(self) -> float | None:
+            return 0.5
+
+    assert SakuraRuntime().loss_scale() is None
+    assert SakuraRuntime([NotScalingNow()]).loss_scale() is None
+    assert SakuraRuntime([Coordinated(), NotScalingNow()]).loss_scale() == 10.0
+    assert SakuraRuntime([Coordinated(), Halves()]).loss_scale() == 5.0  # the product
 
 
 def test_hook_optimizer_step() -> None:
@@ -350,7 +368,7 @@ def test_every_hookspec_is_documented_with_its_exact_signature() -> None:
 
 def test_every_hookspec_has_a_docstring() -> None:
     assert all(h["doc"] for h in hook_signatures())
-    assert len(_all_hooks()) == len(set(_all_hooks())) == 41 + 12 + 4
+    assert len(_all_hooks()) == len(set(_all_hooks())) == 41 + 13 + 4
 
 
 def test_on_error_hook_receives_handler_failures() -> None:

@@ -91,6 +91,7 @@ __all__ = [
     "OnValidationEpochEnd",
     "event_fields",
     "event_type",
+    "specific_fields",
 ]
 
 
@@ -576,3 +577,11 @@ def event_type(name: str) -> type[Event]:
 def event_fields(event: Event) -> dict[str, Any]:
     """The event's fields as a dict (shallow: the objects themselves, not copies)."""
     return {f.name: getattr(event, f.name) for f in fields(event)}
+
+
+def specific_fields(event_class: type[Event]) -> tuple[str, ...]:
+    """The field names of ``event_class`` beyond those every event carries (``rank``,
+    ``world_size``, ``step``, ``epoch``), in declaration order: the one source for the field
+    lists of the hook reference and the docs."""
+    common = {f.name for f in fields(Event)}
+    return tuple(f.name for f in fields(event_class) if f.name not in common)

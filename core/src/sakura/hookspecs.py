@@ -11,9 +11,13 @@ with ``rt.install(service)``.  A service implements any subset of them:
 * the *lifecycle hooks* (``setup``, ``drain``, ``teardown``) run when the runtime starts
   and stops;
 * the *coordinated calls* (``wrap_model``, ``wrap_optimizer``, ``autocast``, ``wrap_loss``,
-  ``unscale_gradients``, ``optimizer_step``, ``state_dict``, ``load_state_dict``) are made by
-  the runtime on behalf of the training loop; an exception in one propagates, because
-  skipping it would silently corrupt training.
+  ``unscale_gradients``, ``loss_scale``, ``optimizer_step``, ``state_dict``,
+  ``load_state_dict``) are made by the runtime on behalf of the training loop; an exception
+  in one propagates, because skipping it would silently corrupt training.
+
+The docstrings of the event hooks are generated from the event classes in
+:mod:`sakura.events` (their docstrings and fields), the single source of what each event
+carries.
 
 The runtime does not call service hooks through pluggy: on every install/uninstall it
 resolves, per event, a tuple of the bound methods that implement it, in priority order,
@@ -30,13 +34,15 @@ Packages may add hookspecs of their own through :func:`sakura_add_hookspecs`.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pluggy
 
 from sakura.events import (
+    Event,
     OnAfterBackward,
     OnBeforeBackward,
     OnBeforeOptimizerStep,
@@ -78,16 +84,41 @@ from sakura.events import (
     OnValidationEnd,
     OnValidationEpochBegin,
     OnValidationEpochEnd,
+    specific_fields,
 )
 
 if TYPE_CHECKING:
-    from sakura.events import Event
     from sakura.runtime import SakuraRuntime
     from sakura.step import StepSkipped
 
 PROJECT_NAME = "sakura"
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def event_hook_doc(event_class: type[Event]) -> str:
+    """The docstring of ``event_class``'s hook, generated from the class itself: its
+    docstring and its fields (``dataclasses.fields``), which live in :mod:`sakura.events`
+    only, so the hook reference cannot drift from the events."""
+    own = ", ".join(f"``{name}``" for name in specific_fields(event_class)) or "none"
+    summary = inspect.cleandoc(event_class.__doc__ or "")
+    return (
+        f"Receives :class:`~sakura.events.{event_class.__name__}`.  {summary}\n\n"
+        f"Fields beyond rank/world_size/step/epoch: {own}."
+    )
+
+
+def _receives(event_class: type[Event]) -> Callable[[F], F]:
+    """Give an event hookspec the docstring :func:`event_hook_doc` generates."""
+
+    def decorate(function: F) -> F:
+        function.__doc__ = event_hook_doc(event_class)
+        return function
+
+    return decorate
+
 
 Register = Callable[..., None]
 """The ``register`` callback handed to the ``sakura_register_*`` hooks."""
@@ -147,6 +178,15 @@ class ServiceHooks:
         idempotent within one step, so clipping never unscales twice."""
 
     @hookspec
+    def loss_scale(self) -> float | None:
+        """Called by ``rt.loss_scale()``: return the factor by which this service's
+        ``wrap_loss`` multiplied the current step's loss (and therefore its gradients), or
+        None when it scales nothing now.  The runtime returns the product over the services
+        (None when none scales), so that a monitor reading gradients in
+        ``on_after_backward``, before ``unscale_gradients``, can divide by it.  May read the
+        device; it is called only when someone asks."""
+
+    @hookspec
     def optimizer_step(self, optimizer: Any) -> bool | StepSkipped:
         """Called by ``rt.optimizer_step(optimizer)``, in priority order, until one service
         returns a truthy value: that service owned the step and the loop must not call
@@ -178,344 +218,174 @@ class ServiceHooks:
     # --- Lifecycle events ----------------------------------------------------
 
     @hookspec
-    def on_setup(self, event: OnSetup) -> None:
-        """Receives :class:`~sakura.events.OnSetup`: the loop is being set up for ``stage``
-        ("fit", "validate", "test", "predict", "init").
-
-        Fields beyond rank/world_size/step/epoch: ``stage``, ``model``.
-        """
+    @_receives(OnSetup)
+    def on_setup(self, event: OnSetup) -> None: ...
 
     @hookspec
-    def on_teardown(self, event: OnTeardown) -> None:
-        """Receives :class:`~sakura.events.OnTeardown`: the loop finished ``stage`` and is
-        releasing what it set up.
-
-        Fields beyond rank/world_size/step/epoch: ``stage``, ``model``.
-        """
+    @_receives(OnTeardown)
+    def on_teardown(self, event: OnTeardown) -> None: ...
 
     @hookspec
-    def on_fit_begin(self, event: OnFitBegin) -> None:
-        """Receives :class:`~sakura.events.OnFitBegin`: ``fit``/``train`` was called: before
-        the sanity check and training start.
-
-        Fields beyond rank/world_size/step/epoch: ``model``.
-        """
+    @_receives(OnFitBegin)
+    def on_fit_begin(self, event: OnFitBegin) -> None: ...
 
     @hookspec
-    def on_fit_end(self, event: OnFitEnd) -> None:
-        """Receives :class:`~sakura.events.OnFitEnd`: ``fit``/``train`` is about to return.
-
-        Fields beyond rank/world_size/step/epoch: ``model``.
-        """
+    @_receives(OnFitEnd)
+    def on_fit_end(self, event: OnFitEnd) -> None: ...
 
     @hookspec
-    def on_sanity_check_begin(self, event: OnSanityCheckBegin) -> None:
-        """Receives :class:`~sakura.events.OnSanityCheckBegin`: a validation sanity check runs
-        before training (Lightning's ``num_sanity_val_steps``).
-
-        Fields beyond rank/world_size/step/epoch: ``model``.
-        """
+    @_receives(OnSanityCheckBegin)
+    def on_sanity_check_begin(self, event: OnSanityCheckBegin) -> None: ...
 
     @hookspec
-    def on_sanity_check_end(self, event: OnSanityCheckEnd) -> None:
-        """Receives :class:`~sakura.events.OnSanityCheckEnd`: the sanity check finished.
-
-        Fields beyond rank/world_size/step/epoch: ``model``.
-        """
+    @_receives(OnSanityCheckEnd)
+    def on_sanity_check_end(self, event: OnSanityCheckEnd) -> None: ...
 
     # --- Training events -----------------------------------------------------
 
     @hookspec
-    def on_train_begin(self, event: OnTrainBegin) -> None:
-        """Receives :class:`~sakura.events.OnTrainBegin`: training starts; the model and
-        optimizer are ready.
-
-        Fields beyond rank/world_size/step/epoch: ``model``, ``optimizer``,
-        ``train_loader``.
-        """
+    @_receives(OnTrainBegin)
+    def on_train_begin(self, event: OnTrainBegin) -> None: ...
 
     @hookspec
-    def on_train_end(self, event: OnTrainEnd) -> None:
-        """Receives :class:`~sakura.events.OnTrainEnd`: training finished (normally or after
-        ``max_steps``).
-
-        Fields beyond rank/world_size/step/epoch: ``model``, ``metrics``.
-        """
+    @_receives(OnTrainEnd)
+    def on_train_end(self, event: OnTrainEnd) -> None: ...
 
     @hookspec
-    def on_epoch_begin(self, event: OnEpochBegin) -> None:
-        """Receives :class:`~sakura.events.OnEpochBegin`: a training epoch starts.
-
-        Fields beyond rank/world_size/step/epoch: ``model``.
-        """
+    @_receives(OnEpochBegin)
+    def on_epoch_begin(self, event: OnEpochBegin) -> None: ...
 
     @hookspec
-    def on_epoch_end(self, event: OnEpochEnd) -> None:
-        """Receives :class:`~sakura.events.OnEpochEnd`: a training epoch ended; ``metrics``
-        holds what the loop measured in it.
-
-        Fields beyond rank/world_size/step/epoch: ``model``, ``optimizer``, ``metrics``.
-        """
+    @_receives(OnEpochEnd)
+    def on_epoch_end(self, event: OnEpochEnd) -> None: ...
 
     @hookspec
-    def on_train_step_begin(self, event: OnTrainStepBegin) -> None:
-        """Receives :class:`~sakura.events.OnTrainStepBegin`: a training batch is about to be
-        processed.
-
-        Fields beyond rank/world_size/step/epoch: ``model``, ``batch``, ``batch_idx``.
-        """
+    @_receives(OnTrainStepBegin)
+    def on_train_step_begin(self, event: OnTrainStepBegin) -> None: ...
 
     @hookspec
-    def on_train_step_end(self, event: OnTrainStepEnd) -> None:
-        """Receives :class:`~sakura.events.OnTrainStepEnd`: a training batch was processed
-        (after the optimizer step when one happened).
-
-        Fields beyond rank/world_size/step/epoch: ``model``, ``batch``, ``batch_idx``,
-        ``loss``, ``outputs``.
-        """
+    @_receives(OnTrainStepEnd)
+    def on_train_step_end(self, event: OnTrainStepEnd) -> None: ...
 
     @hookspec
-    def on_substep_end(self, event: OnSubstepEnd) -> None:
-        """Receives :class:`~sakura.events.OnSubstepEnd`: a gradient-accumulation micro-batch
-        finished without an optimizer step.
-
-        Fields beyond rank/world_size/step/epoch: ``model``, ``batch_idx``.
-        """
+    @_receives(OnSubstepEnd)
+    def on_substep_end(self, event: OnSubstepEnd) -> None: ...
 
     @hookspec
-    def on_before_backward(self, event: OnBeforeBackward) -> None:
-        """Receives :class:`~sakura.events.OnBeforeBackward`: ``loss.backward()`` is about to
-        run; ``loss`` is the unscaled loss.
-
-        Fields beyond rank/world_size/step/epoch: ``model``, ``loss``.
-        """
+    @_receives(OnBeforeBackward)
+    def on_before_backward(self, event: OnBeforeBackward) -> None: ...
 
     @hookspec
-    def on_after_backward(self, event: OnAfterBackward) -> None:
-        """Receives :class:`~sakura.events.OnAfterBackward`: gradients were accumulated (they
-        may still be scaled by a loss scaler).
-
-        Fields beyond rank/world_size/step/epoch: ``model``, ``loss``.
-        """
+    @_receives(OnAfterBackward)
+    def on_after_backward(self, event: OnAfterBackward) -> None: ...
 
     @hookspec
-    def on_before_optimizer_step(self, event: OnBeforeOptimizerStep) -> None:
-        """Receives :class:`~sakura.events.OnBeforeOptimizerStep`: the optimizer is about to
-        step; gradients are final (unscaled when a scaler runs).
-
-        Fields beyond rank/world_size/step/epoch: ``model``, ``optimizer``.
-        """
+    @_receives(OnBeforeOptimizerStep)
+    def on_before_optimizer_step(self, event: OnBeforeOptimizerStep) -> None: ...
 
     @hookspec
-    def on_optimizer_step(self, event: OnOptimizerStep) -> None:
-        """Receives :class:`~sakura.events.OnOptimizerStep`: the optimizer stepped (or a
-        service owned and performed the step).
-
-        Fields beyond rank/world_size/step/epoch: ``model``, ``optimizer``.
-        """
+    @_receives(OnOptimizerStep)
+    def on_optimizer_step(self, event: OnOptimizerStep) -> None: ...
 
     @hookspec
-    def on_before_zero_grad(self, event: OnBeforeZeroGrad) -> None:
-        """Receives :class:`~sakura.events.OnBeforeZeroGrad`: gradients are about to be
-        cleared.
-
-        Fields beyond rank/world_size/step/epoch: ``model``, ``optimizer``.
-        """
+    @_receives(OnBeforeZeroGrad)
+    def on_before_zero_grad(self, event: OnBeforeZeroGrad) -> None: ...
 
     @hookspec
-    def on_log(self, event: OnLog) -> None:
-        """Receives :class:`~sakura.events.OnLog`: the loop logged ``logs`` (HF's ``on_log``;
-        Lightning's logged metrics).
-
-        Fields beyond rank/world_size/step/epoch: ``logs``.
-        """
+    @_receives(OnLog)
+    def on_log(self, event: OnLog) -> None: ...
 
     # --- Validation, test and predict events ---------------------------------
 
     @hookspec
-    def on_validation_begin(self, event: OnValidationBegin) -> None:
-        """Receives :class:`~sakura.events.OnValidationBegin`: validation starts.
-
-        Fields beyond rank/world_size/step/epoch: ``model``.
-        """
+    @_receives(OnValidationBegin)
+    def on_validation_begin(self, event: OnValidationBegin) -> None: ...
 
     @hookspec
-    def on_validation_end(self, event: OnValidationEnd) -> None:
-        """Receives :class:`~sakura.events.OnValidationEnd`: validation finished; ``metrics``
-        holds its results.
-
-        Fields beyond rank/world_size/step/epoch: ``model``, ``metrics``.
-        """
+    @_receives(OnValidationEnd)
+    def on_validation_end(self, event: OnValidationEnd) -> None: ...
 
     @hookspec
-    def on_validation_epoch_begin(self, event: OnValidationEpochBegin) -> None:
-        """Receives :class:`~sakura.events.OnValidationEpochBegin`: the validation pass over
-        the loaders starts.
-
-        Fields beyond rank/world_size/step/epoch: ``model``.
-        """
+    @_receives(OnValidationEpochBegin)
+    def on_validation_epoch_begin(self, event: OnValidationEpochBegin) -> None: ...
 
     @hookspec
-    def on_validation_epoch_end(self, event: OnValidationEpochEnd) -> None:
-        """Receives :class:`~sakura.events.OnValidationEpochEnd`: the validation pass over the
-        loaders finished.
-
-        Fields beyond rank/world_size/step/epoch: ``model``, ``metrics``.
-        """
+    @_receives(OnValidationEpochEnd)
+    def on_validation_epoch_end(self, event: OnValidationEpochEnd) -> None: ...
 
     @hookspec
-    def on_validation_batch_begin(self, event: OnValidationBatchBegin) -> None:
-        """Receives :class:`~sakura.events.OnValidationBatchBegin`: a validation batch is about
-        to be evaluated.
-
-        Fields beyond rank/world_size/step/epoch: ``model``, ``batch``, ``batch_idx``,
-        ``dataloader_idx``.
-        """
+    @_receives(OnValidationBatchBegin)
+    def on_validation_batch_begin(self, event: OnValidationBatchBegin) -> None: ...
 
     @hookspec
-    def on_validation_batch_end(self, event: OnValidationBatchEnd) -> None:
-        """Receives :class:`~sakura.events.OnValidationBatchEnd`: a validation batch was
-        evaluated.
-
-        Fields beyond rank/world_size/step/epoch: ``model``, ``batch``, ``batch_idx``,
-        ``dataloader_idx``, ``outputs``.
-        """
+    @_receives(OnValidationBatchEnd)
+    def on_validation_batch_end(self, event: OnValidationBatchEnd) -> None: ...
 
     @hookspec
-    def on_test_begin(self, event: OnTestBegin) -> None:
-        """Receives :class:`~sakura.events.OnTestBegin`: testing starts.
-
-        Fields beyond rank/world_size/step/epoch: ``model``.
-        """
+    @_receives(OnTestBegin)
+    def on_test_begin(self, event: OnTestBegin) -> None: ...
 
     @hookspec
-    def on_test_end(self, event: OnTestEnd) -> None:
-        """Receives :class:`~sakura.events.OnTestEnd`: testing finished; ``metrics`` holds its
-        results.
-
-        Fields beyond rank/world_size/step/epoch: ``model``, ``metrics``.
-        """
+    @_receives(OnTestEnd)
+    def on_test_end(self, event: OnTestEnd) -> None: ...
 
     @hookspec
-    def on_test_epoch_begin(self, event: OnTestEpochBegin) -> None:
-        """Receives :class:`~sakura.events.OnTestEpochBegin`: the test pass over the loaders
-        starts.
-
-        Fields beyond rank/world_size/step/epoch: ``model``.
-        """
+    @_receives(OnTestEpochBegin)
+    def on_test_epoch_begin(self, event: OnTestEpochBegin) -> None: ...
 
     @hookspec
-    def on_test_epoch_end(self, event: OnTestEpochEnd) -> None:
-        """Receives :class:`~sakura.events.OnTestEpochEnd`: the test pass over the loaders
-        finished.
-
-        Fields beyond rank/world_size/step/epoch: ``model``, ``metrics``.
-        """
+    @_receives(OnTestEpochEnd)
+    def on_test_epoch_end(self, event: OnTestEpochEnd) -> None: ...
 
     @hookspec
-    def on_test_batch_begin(self, event: OnTestBatchBegin) -> None:
-        """Receives :class:`~sakura.events.OnTestBatchBegin`: a test batch is about to be
-        evaluated.
-
-        Fields beyond rank/world_size/step/epoch: ``model``, ``batch``, ``batch_idx``,
-        ``dataloader_idx``.
-        """
+    @_receives(OnTestBatchBegin)
+    def on_test_batch_begin(self, event: OnTestBatchBegin) -> None: ...
 
     @hookspec
-    def on_test_batch_end(self, event: OnTestBatchEnd) -> None:
-        """Receives :class:`~sakura.events.OnTestBatchEnd`: a test batch was evaluated.
-
-        Fields beyond rank/world_size/step/epoch: ``model``, ``batch``, ``batch_idx``,
-        ``dataloader_idx``, ``outputs``.
-        """
+    @_receives(OnTestBatchEnd)
+    def on_test_batch_end(self, event: OnTestBatchEnd) -> None: ...
 
     @hookspec
-    def on_predict_begin(self, event: OnPredictBegin) -> None:
-        """Receives :class:`~sakura.events.OnPredictBegin`: prediction starts.
-
-        Fields beyond rank/world_size/step/epoch: ``model``.
-        """
+    @_receives(OnPredictBegin)
+    def on_predict_begin(self, event: OnPredictBegin) -> None: ...
 
     @hookspec
-    def on_predict_end(self, event: OnPredictEnd) -> None:
-        """Receives :class:`~sakura.events.OnPredictEnd`: prediction finished; ``metrics``
-        holds any metrics computed on the predictions.
-
-        Fields beyond rank/world_size/step/epoch: ``model``, ``metrics``.
-        """
+    @_receives(OnPredictEnd)
+    def on_predict_end(self, event: OnPredictEnd) -> None: ...
 
     @hookspec
-    def on_predict_epoch_begin(self, event: OnPredictEpochBegin) -> None:
-        """Receives :class:`~sakura.events.OnPredictEpochBegin`: the prediction pass over the
-        loaders starts.
-
-        Fields beyond rank/world_size/step/epoch: ``model``.
-        """
+    @_receives(OnPredictEpochBegin)
+    def on_predict_epoch_begin(self, event: OnPredictEpochBegin) -> None: ...
 
     @hookspec
-    def on_predict_epoch_end(self, event: OnPredictEpochEnd) -> None:
-        """Receives :class:`~sakura.events.OnPredictEpochEnd`: the prediction pass over the
-        loaders finished.
-
-        Fields beyond rank/world_size/step/epoch: ``model``.
-        """
+    @_receives(OnPredictEpochEnd)
+    def on_predict_epoch_end(self, event: OnPredictEpochEnd) -> None: ...
 
     @hookspec
-    def on_predict_batch_begin(self, event: OnPredictBatchBegin) -> None:
-        """Receives :class:`~sakura.events.OnPredictBatchBegin`: a prediction batch is about to
-        run.
-
-        Fields beyond rank/world_size/step/epoch: ``model``, ``batch``, ``batch_idx``,
-        ``dataloader_idx``.
-        """
+    @_receives(OnPredictBatchBegin)
+    def on_predict_batch_begin(self, event: OnPredictBatchBegin) -> None: ...
 
     @hookspec
-    def on_predict_batch_end(self, event: OnPredictBatchEnd) -> None:
-        """Receives :class:`~sakura.events.OnPredictBatchEnd`: a prediction batch ran.
-
-        Fields beyond rank/world_size/step/epoch: ``model``, ``batch``, ``batch_idx``,
-        ``dataloader_idx``, ``outputs``.
-        """
+    @_receives(OnPredictBatchEnd)
+    def on_predict_batch_end(self, event: OnPredictBatchEnd) -> None: ...
 
     # --- Checkpoint, publishing and error events -----------------------------
 
     @hookspec
-    def on_save_checkpoint(self, event: OnSaveCheckpoint) -> None:
-        """Receives :class:`~sakura.events.OnSaveCheckpoint`: a checkpoint is being written.
-
-        ``checkpoint`` is the mutable dict about to be saved when the loop exposes one
-        (Lightning); services may add entries to it.  ``path`` is where it goes, when known.
-
-        Fields beyond rank/world_size/step/epoch: ``model``, ``checkpoint``, ``path``.
-        """
+    @_receives(OnSaveCheckpoint)
+    def on_save_checkpoint(self, event: OnSaveCheckpoint) -> None: ...
 
     @hookspec
-    def on_load_checkpoint(self, event: OnLoadCheckpoint) -> None:
-        """Receives :class:`~sakura.events.OnLoadCheckpoint`: a checkpoint was loaded;
-        ``checkpoint`` is its dict when the loop exposes one.
-
-        Fields beyond rank/world_size/step/epoch: ``model``, ``checkpoint``, ``path``.
-        """
+    @_receives(OnLoadCheckpoint)
+    def on_load_checkpoint(self, event: OnLoadCheckpoint) -> None: ...
 
     @hookspec
-    def on_push_begin(self, event: OnPushBegin) -> None:
-        """Receives :class:`~sakura.events.OnPushBegin`: the trained model is about to be
-        published (HF's ``on_push_begin``).
-
-        Fields beyond rank/world_size/step/epoch: ``model``, ``path``.
-        """
+    @_receives(OnPushBegin)
+    def on_push_begin(self, event: OnPushBegin) -> None: ...
 
     @hookspec
-    def on_error(self, event: OnError) -> None:
-        """Receives :class:`~sakura.events.OnError`: something failed.
-
-        ``source`` is the name of the service whose handler raised, or the name of the loop
-        (``"lightning"``, ``"transformers"``, ``"training loop"``) for an exception in
-        training itself.  ``event`` is the event being handled when a handler raised, else
-        ``None``.
-
-        Fields beyond rank/world_size/step/epoch: ``exception``, ``source``, ``event``.
-        """
+    @_receives(OnError)
+    def on_error(self, event: OnError) -> None: ...
 
 
 # --- Plugin hooks ------------------------------------------------------------------------

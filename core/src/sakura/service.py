@@ -38,6 +38,7 @@ COORDINATED_CALLS = frozenset(
         "autocast",
         "wrap_loss",
         "unscale_gradients",
+        "loss_scale",
         "optimizer_step",
         "state_dict",
         "load_state_dict",
@@ -57,7 +58,7 @@ _ONE_ARG_HOOKS = (
     | {"on_event", "wrap_model", "wrap_optimizer", "wrap_loss"}
     | {"unscale_gradients", "optimizer_step", "load_state_dict", "setup"}
 )
-_NO_ARG_HOOKS = {"drain", "teardown", "autocast", "state_dict"}
+_NO_ARG_HOOKS = {"drain", "teardown", "autocast", "state_dict", "loss_scale"}
 
 
 class Service:
