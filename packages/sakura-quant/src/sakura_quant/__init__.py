@@ -1,0 +1,33 @@
+"""sakura-quant: quantized frozen bases for QLoRA.
+
+Frozen ``nn.Linear`` weights stored as NF4 (bit-identical to bitsandbytes), int8, FP8 or
+NVFP4, with optional double quantization of the block scales; layers that stock PEFT LoRA
+adapts; the ``quant`` service (``quant:nf4``) for ``rt.prepare``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sakura_quant.formats import QuantizedWeight
+    from sakura_quant.weights import dequantize_weight, quantize_weight
+
+# Exports load on first use: the plugin module (sakura_quant.plugin) is imported whenever
+# sakura lists plugins, and that must not import torch.
+_EXPORTS = {
+    "QuantizedWeight": "sakura_quant.formats",
+    "dequantize_weight": "sakura_quant.weights",
+    "quantize_weight": "sakura_quant.weights",
+}
+
+__all__ = ["QuantizedWeight", "dequantize_weight", "quantize_weight"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'sakura_quant' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,63 @@
+"""Validation of sakura-quant's public options, one place for quantize_model, load_model and
+the ``quant`` service (wording from :mod:`sakura.options`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from sakura.options import check_bool, check_choice, check_int, option_error
+
+FORMAT_NAMES = ("int8", "nf4", "fp8", "nvfp4")
+_DEFAULT_BLOCK = {"int8": 64, "nf4": 64, "fp8": 32, "nvfp4": 16}
+_FIXED_BLOCK = {"fp8": 32, "nvfp4": 16}
+_DOUBLE_QUANT = ("int8", "nf4")
+
+
+def check_format(value: Any, *, owner: str, option: str = "format") -> str:
+    """A format name: ``"int8"``, ``"nf4"``, ``"fp8"`` or ``"nvfp4"``."""
+    return str(check_choice(option, value, FORMAT_NAMES, owner=owner))
+
+
+def check_block_size(fmt: str, value: Any, *, owner: str) -> int:
+    """The block size for ``fmt``: ``None`` means the format's default (int8 / nf4: 64);
+    int8 and nf4 take any even integer >= 2; fp8 and nvfp4 have a fixed block (32 / 16)."""
+    if value is None:
+        return _DEFAULT_BLOCK[fmt]
+    fixed = _FIXED_BLOCK.get(fmt)
+    if fixed is not None:
+        if isinstance(value, bool) or value != fixed:
+            raise option_error(
+                "block_size", value, f"None or {fixed} ({fmt} has a fixed block size)", owner=owner
+            )
+        return fixed
+    check_int("block_size", value, minimum=2, owner=owner)
+    if value % 2:
+        raise option_error("block_size", value, "an even int >= 2, or None for 64", owner=owner)
+    return int(value)
+
+
+def check_double_quant(fmt: str, value: Any, *, owner: str) -> bool:
+    """``double_quant``: True or False; True only for the formats with fp32 block scales."""
+    flag = check_bool("double_quant", value, owner=owner)
+    if flag and fmt not in _DOUBLE_QUANT:
+        raise option_error(
+            "double_quant",
+            value,
+            f"False with format={fmt!r} (double quantization applies to 'int8' and 'nf4')",
+            owner=owner,
+        )
+    return flag
+
+
+def check_names(option: str, value: Any, *, owner: str, allow_none: bool) -> tuple[str, ...] | None:
+    """A list/tuple of module names (``None`` when allowed)."""
+    if value is None and allow_none:
+        return None
+    accepted = "a list of module names" + (" or None" if allow_none else "")
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        raise option_error(option, value, accepted, owner=owner)
+    names = tuple(value)
+    if not all(isinstance(n, str) and n for n in names):
+        raise option_error(option, value, accepted, owner=owner)
+    return names

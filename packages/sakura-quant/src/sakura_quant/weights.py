@@ -1,0 +1,50 @@
+"""Quantize one weight tensor and expand it again."""
+
+from __future__ import annotations
+
+import torch
+
+from sakura_quant.formats import FORMATS, QuantizedWeight
+from sakura_quant.formats.double_quant import compress_scales, decompress_scales
+from sakura_quant.options import check_block_size, check_double_quant, check_format
+
+__all__ = ["dequantize_weight", "quantize_weight"]
+
+
+def quantize_weight(
+    weight: torch.Tensor,
+    format: str = "nf4",
+    *,
+    block_size: int | None = None,
+    double_quant: bool = False,
+) -> QuantizedWeight:
+    """Quantize ``weight`` (any shape, any floating dtype) to ``format``.
+
+    ``block_size``: values per scale (``None``: 64 for int8 / nf4; fp8 and nvfp4 use their
+    fixed 32 / 16). ``double_quant``: store the block scales of int8 / nf4 in one byte each.
+    """
+    owner = "quantize_weight"
+    fmt = check_format(format, owner=owner)
+    size = check_block_size(fmt, block_size, owner=owner)
+    dq = check_double_quant(fmt, double_quant, owner=owner)
+    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
+        raise TypeError(f"{owner}: weight must be a floating-point tensor, got {weight!r:.80}")
+    tensors = FORMATS[fmt].quantize(weight, size)
+    if dq:
+        tensors.update(compress_scales(tensors["scales"]))
+    return QuantizedWeight(
+        format=fmt,
+        shape=tuple(weight.shape),
+        dtype=weight.dtype,
+        block_size=size,
+        tensors=tensors,
+    )
+
+
+def dequantize_weight(qweight: QuantizedWeight, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The weight back, in ``dtype`` (default: the dtype it was quantized from)."""
+    tensors = qweight.tensors
+    if "scales_offset" in tensors:
+        tensors = dict(tensors, scales=decompress_scales(tensors))
+    flat = FORMATS[qweight.format].dequantize(tensors, qweight.numel, qweight.block_size)
+    return flat.view(qweight.shape).to(dtype or qweight.dtype)
