@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from sakura import OnEpochEnd, OnTrainStepEnd, SakuraRuntime, Telemetry
+from sakura import OnEpochEnd, OnTrainStepEnd, SakuraRuntime, Telemetry, hookspecs
 from sakura.cli import main
+from sakura.service import SERVICE_HOOKS
 
 
 def test_plugins_lists_the_builtin_plugin(capsys: pytest.CaptureFixture[str]) -> None:
@@ -121,7 +122,14 @@ def test_hooks_lists_every_signature(capsys: pytest.CaptureFixture[str]) -> None
     assert "on_train_begin(event: OnTrainBegin) -> None" in out
     assert "sakura_register_services(register: Register) -> None" in out
     assert main(["hooks", "--json"]) == 0
-    assert len(json.loads(capsys.readouterr().out)) == 57
+    listed = [hook["name"] for hook in json.loads(capsys.readouterr().out)]
+    plugin_hooks = {
+        name
+        for name, fn in vars(hookspecs).items()
+        if name.startswith("sakura_") and hasattr(fn, "sakura_spec")
+    }
+    assert len(listed) == len(set(listed)) == len(SERVICE_HOOKS) + len(plugin_hooks) > 50
+    assert set(listed) == set(SERVICE_HOOKS) | plugin_hooks
 
 
 def test_telemetry_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
