@@ -13,6 +13,7 @@ subclass :class:`ServiceConformance` in a test module and implement ``make_servi
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import sys
 from collections.abc import Callable, Mapping
@@ -20,7 +21,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from sakura.events import EVENT_TYPES, Event
+from sakura.events import EVENT_TYPES, Event, event_type
 from sakura.runtime import SakuraRuntime
 from sakura.service import EVENT_HOOKS, implemented_hooks, validate_service
 from sakura.testing.recording import RecordingService
@@ -58,8 +59,10 @@ def _equal(a: Any, b: Any) -> bool:
 def check_state_round_trip(factory: Factory, *, train: bool = True) -> None:
     """``state_dict`` -> ``load_state_dict`` on a fresh service -> the same ``state_dict``.
 
-    With ``train=True`` (and torch installed) the first service is run through the tiny
-    loop first, so the state is not just the initial one.  No-op for stateless services.
+    With ``train=True`` the first service is run through the tiny loop first (or, where
+    torch is not installed, through the same sequence of events with default fields), so
+    the state is not just the initial one.  The state is loaded with ``strict=True``.
+    No-op for stateless services.
     """
     first = factory()
     if not hasattr(first, "state_dict"):
@@ -69,23 +72,32 @@ def check_state_round_trip(factory: Factory, *, train: bool = True) -> None:
     with SakuraRuntime(strict=True) as rt:
         rt.install(first)
         if train:
-            try:
-                from sakura.testing.loop import run_tiny_loop
-            except ImportError:  # pragma: no cover - torch missing
-                pass
-            else:
-                run_tiny_loop(rt, epochs=1, steps_per_epoch=2)
+            _train_briefly(rt)
         saved = rt.state_dict()
     second = factory()
     with SakuraRuntime(strict=True) as rt2:
         rt2.install(second)
-        rt2.load_state_dict(saved)
+        rt2.load_state_dict(saved, strict=True)
         again = rt2.state_dict()
     if not _equal(saved, again):
         raise AssertionError(
             f"service {first.name!r}: state_dict after load_state_dict differs from the one "
             f"loaded:\n saved={saved!r}\n again={again!r}"
         )
+
+
+def _train_briefly(rt: SakuraRuntime) -> None:
+    """One epoch of two steps through ``rt``: the tiny loop with torch, else its events."""
+    from sakura.testing.loop import expected_event_names, run_tiny_loop
+
+    if importlib.util.find_spec("torch") is not None:
+        run_tiny_loop(rt, epochs=1, steps_per_epoch=2)
+        return
+    step = 0
+    for name in expected_event_names(epochs=1, steps_per_epoch=2, val_batches=1):
+        if name == "OnOptimizerStep":
+            step += 1
+        rt.emit(event_type(name), step=step)
 
 
 class _FailEverywhere:
@@ -193,14 +205,12 @@ class ServiceConformance:
         check_no_work_on_unhandled_events(self.make_service)
 
     def test_runs_in_tiny_loop(self) -> None:
-        try:
-            import torch  # noqa: F401
-
-            from sakura.testing.loop import run_tiny_loop
-        except ImportError:  # pragma: no cover
+        if importlib.util.find_spec("torch") is None:
             import pytest
 
             pytest.skip("torch is not installed")
+        from sakura.testing.loop import run_tiny_loop
+
         with SakuraRuntime(strict=True) as rt:
             rt.install(self.make_service())
             result = run_tiny_loop(rt, epochs=1, steps_per_epoch=2)
