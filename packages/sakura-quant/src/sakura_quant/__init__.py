@@ -12,17 +12,27 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from sakura_quant.formats import QuantizedWeight
+    from sakura_quant.linear import QuantizedLinear
+    from sakura_quant.quantize import quantize_model
     from sakura_quant.weights import dequantize_weight, quantize_weight
 
 # Exports load on first use: the plugin module (sakura_quant.plugin) is imported whenever
 # sakura lists plugins, and that must not import torch.
 _EXPORTS = {
+    "QuantizedLinear": "sakura_quant.linear",
     "QuantizedWeight": "sakura_quant.formats",
+    "quantize_model": "sakura_quant.quantize",
     "dequantize_weight": "sakura_quant.weights",
     "quantize_weight": "sakura_quant.weights",
 }
 
-__all__ = ["QuantizedWeight", "dequantize_weight", "quantize_weight"]
+__all__ = [
+    "QuantizedLinear",
+    "QuantizedWeight",
+    "dequantize_weight",
+    "quantize_model",
+    "quantize_weight",
+]
 __version__ = "0.1.0"
 
 

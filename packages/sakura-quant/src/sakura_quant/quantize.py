@@ -1,0 +1,155 @@
+"""``quantize_model``: replace a model's frozen ``nn.Linear`` layers by ``QuantizedLinear``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from sakura.options import check_bool, option_error
+from sakura_quant.linear import QuantizedLinear
+from sakura_quant.options import check_block_size, check_double_quant, check_format, check_names
+
+__all__ = ["DEFAULT_SKIP", "quantize_model"]
+
+DEFAULT_SKIP = ("lm_head",)
+"""Left in full precision by default, as bitsandbytes / transformers do: the output head."""
+
+_OWNER = "quantize_model"
+
+
+def _skipped(name: str, skip: tuple[str, ...]) -> bool:
+    return name in skip or name.rsplit(".", 1)[-1] in skip
+
+
+def _adapter_names(modules: dict[str, nn.Module]) -> list[str]:
+    """Prefixes of the adapter modules inside adapter-wrapped layers (PEFT's ``lora.Linear``
+    and its kin hold the original layer as ``base_layer`` beside their trainable ``lora_A`` /
+    ``lora_B``): those adapters must never be quantized, only the base layer."""
+    prefixes: list[str] = []
+    for name, module in modules.items():
+        base = getattr(module, "base_layer", None)
+        if isinstance(base, nn.Module):
+            prefix = f"{name}." if name else ""
+            prefixes.extend(
+                f"{prefix}{child}" for child, _ in module.named_children() if child != "base_layer"
+            )
+    return prefixes
+
+
+def _in_adapter(name: str, adapters: list[str]) -> bool:
+    return any(name == a or name.startswith(a + ".") for a in adapters)
+
+
+def _find_targets(
+    model: nn.Module, targets: tuple[str, ...] | None, skip: tuple[str, ...]
+) -> list[tuple[str, nn.Linear]]:
+    modules = dict(model.named_modules())
+    adapters = _adapter_names(modules)
+    given: list[tuple[str, str, nn.Module]] = []  # (what the caller wrote, name, module)
+    if targets is None:
+        given = [
+            (name, name, m)
+            for name, m in modules.items()
+            if isinstance(m, nn.Linear)
+            and name
+            and not _skipped(name, skip)
+            and not _in_adapter(name, adapters)
+        ]
+    else:
+        for wanted in targets:
+            matches = [
+                (wanted, name, m)
+                for name, m in modules.items()
+                if (name == wanted or name.endswith("." + wanted))
+                and not _in_adapter(name, adapters)
+            ]
+            if not matches:
+                raise option_error(
+                    "targets",
+                    wanted,
+                    "names (or name suffixes) of the model's modules",
+                    owner=_OWNER,
+                )
+            given.extend(matches)
+    found: dict[str, nn.Linear] = {}
+    for wanted, name, module in given:
+        if isinstance(module, QuantizedLinear):
+            raise option_error(
+                "targets",
+                wanted,
+                f"modules not quantized yet ({name} is already a QuantizedLinear, "
+                f"format {module.format!r}); quantizing twice is not supported",
+                owner=_OWNER,
+            )
+        if not isinstance(module, nn.Linear):
+            raise option_error(
+                "targets",
+                wanted,
+                f"names of torch.nn.Linear modules ({name} is a {type(module).__name__})",
+                owner=_OWNER,
+            )
+        found[name] = module
+    return list(found.items())
+
+
+def quantize_model(
+    model: nn.Module,
+    format: str = "nf4",
+    *,
+    block_size: int | None = None,
+    double_quant: bool = False,
+    targets: Any = None,
+    skip: Any = DEFAULT_SKIP,
+    freeze: bool = False,
+) -> dict[str, int]:
+    """Quantize the weights of ``model``'s ``nn.Linear`` layers in place, one at a time.
+
+    Each target becomes a :class:`~sakura_quant.QuantizedLinear` (its bias kept). Returns
+    ``{"tensors": count, "bytes_before": ..., "bytes_after": ...}`` (weight bytes only).
+
+    Args:
+        format: ``"nf4"``, ``"int8"``, ``"fp8"`` or ``"nvfp4"``.
+        block_size: values per scale; ``None`` is the format's default (64 for int8 / nf4;
+            fp8 and nvfp4 have fixed blocks of 32 / 16); int8 / nf4 take any even int >= 2.
+        double_quant: store int8 / nf4 block scales in one byte each.
+        targets: ``None`` (every ``nn.Linear`` not in ``skip``) or module names / name
+            suffixes, each of which must name an ``nn.Linear``.
+        skip: module names (or last name components) left alone when ``targets`` is None;
+            default ``("lm_head",)``.
+        freeze: the quantized weights are frozen; with ``False`` (default) a target weight
+            that still requires grad is an error, with ``True`` it is frozen silently.
+    """
+    fmt = check_format(format, owner=_OWNER)
+    size = check_block_size(fmt, block_size, owner=_OWNER)
+    dq = check_double_quant(fmt, double_quant, owner=_OWNER)
+    wanted = check_names("targets", targets, owner=_OWNER, allow_none=True)
+    skipped = check_names("skip", skip, owner=_OWNER, allow_none=False) or ()
+    check_bool("freeze", freeze, owner=_OWNER)
+    if not isinstance(model, nn.Module):
+        raise option_error("model", model, "a torch.nn.Module", owner=_OWNER)
+
+    found = _find_targets(model, wanted, skipped)
+    if not freeze:
+        for name, module in found:
+            if module.weight.requires_grad:
+                raise option_error(
+                    "freeze",
+                    freeze,
+                    f"True, or a frozen base ({name}.weight requires grad; quantized weights "
+                    "cannot train: call model.requires_grad_(False) first or pass freeze=True)",
+                    owner=_OWNER,
+                )
+    stats = {"tensors": 0, "bytes_before": 0, "bytes_after": 0}
+    for name, module in found:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        weight = module.weight
+        quantized = QuantizedLinear.from_linear(module, fmt, block_size=size, double_quant=dq).to(
+            weight.device
+        )
+        setattr(parent, attr, quantized)
+        stats["tensors"] += 1
+        stats["bytes_before"] += weight.numel() * weight.element_size()
+        stats["bytes_after"] += quantized.quantized_nbytes
+    return stats

@@ -1,0 +1,139 @@
+"""QuantizedLinear and quantize_model: values, gradients, state dicts, errors."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from sakura.options import OptionError
+from sakura_quant import QuantizedLinear, quantize_model
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "int8", "fp8", "nvfp4"])
+def test_forward_equals_linear_on_the_dequantized_weight(fmt: str) -> None:
+    layer = nn.Linear(64, 48)
+    q = QuantizedLinear.from_linear(layer, fmt)
+    x = torch.randn(5, 64)
+    # Same expansion, same F.linear: equal bit for bit (tolerance zero).
+    expected = F.linear(x, q.dequantize(), layer.bias)
+    assert torch.equal(q(x), expected)
+
+
+def test_gradient_reaches_the_input_and_not_the_weight() -> None:
+    layer = nn.Linear(64, 32)
+    q = QuantizedLinear.from_linear(layer, "nf4")
+    x = torch.randn(3, 64, requires_grad=True)
+    q(x).square().sum().backward()
+    assert x.grad is not None
+    w = q.dequantize().requires_grad_(True)
+    x2 = x.detach().clone().requires_grad_(True)
+    F.linear(x2, w, layer.bias).square().sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-6)
+    assert all(not b.requires_grad for b in q.buffers())
+    assert q.bias is not None and q.bias.grad is not None  # the bias is an ordinary parameter
+
+
+def test_bf16_input_gives_bf16_output_and_gradient() -> None:
+    q = QuantizedLinear.from_linear(nn.Linear(64, 16).bfloat16(), "nf4")
+    x = torch.randn(2, 64, dtype=torch.bfloat16, requires_grad=True)
+    out = q(x)
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert x.grad is not None and x.grad.dtype == torch.bfloat16
+
+
+def test_is_a_linear_with_what_peft_reads() -> None:
+    q = QuantizedLinear.from_linear(nn.Linear(64, 16).bfloat16(), "nf4")
+    assert isinstance(q, nn.Linear)
+    assert (q.in_features, q.out_features) == (64, 16)
+    assert q.compute_dtype == torch.bfloat16
+    assert q.weight.dtype == torch.uint8 and q.weight.numel() == 64 * 16 // 2
+
+
+def test_quantize_model_replaces_linears_but_not_lm_head(
+    make_tiny_lm: Callable[[], nn.Module],
+) -> None:
+    model = make_tiny_lm().requires_grad_(False)
+    x = torch.randint(0, 32, (2, 7))
+    before = model(x)
+    stats = quantize_model(model, "int8")
+    names = [n for n, m in model.named_modules() if isinstance(m, QuantizedLinear)]
+    assert names == [
+        "layers.0.q_proj",
+        "layers.0.v_proj",
+        "layers.1.q_proj",
+        "layers.1.v_proj",
+    ]
+    assert type(model.lm_head) is nn.Linear
+    assert stats["tensors"] == 4
+    assert stats["bytes_before"] == 4 * 64 * 64 * 4
+    # int8: one byte per weight plus one fp32 scale per 64.
+    assert stats["bytes_after"] == 4 * (64 * 64 + 64 * 4)
+    torch.testing.assert_close(model(x), before, rtol=0.05, atol=0.05)
+
+
+def test_quantize_model_targets_and_double_quant(make_tiny_lm: Callable[[], nn.Module]) -> None:
+    model = make_tiny_lm().requires_grad_(False)
+    stats = quantize_model(model, "nf4", targets=["q_proj"], double_quant=True)
+    assert stats["tensors"] == 2
+    assert isinstance(model.layers[0].q_proj, QuantizedLinear)
+    assert not isinstance(model.layers[0].v_proj, QuantizedLinear)
+    assert model.layers[0].q_proj.weight_scales.dtype == torch.uint8
+
+
+def test_state_dict_round_trip_and_full_precision_reload(
+    make_tiny_lm: Callable[[], nn.Module],
+) -> None:
+    model = make_tiny_lm().requires_grad_(False)
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    quantize_model(model, "nf4")
+    saved = model.state_dict()
+    assert saved["layers.0.q_proj.weight"].dtype == torch.uint8
+    other = make_tiny_lm().requires_grad_(False)
+    quantize_model(other, "nf4")
+    other.load_state_dict(saved)
+    for key, value in saved.items():
+        assert torch.equal(other.state_dict()[key], value)
+    # A partial, full-precision dict (as PEFT and the HF Trainer load with strict=False):
+    # only the weight given is read again and quantized; every other buffer stays.
+    fresh = make_tiny_lm().requires_grad_(False)
+    quantize_model(fresh, "nf4")
+    untouched = fresh.layers[1].q_proj.weight.clone()
+    result = fresh.load_state_dict(
+        {"layers.0.q_proj.weight": reference["layers.0.q_proj.weight"]}, strict=False
+    )
+    assert "layers.0.q_proj.weight" not in result.missing_keys
+    assert not result.unexpected_keys
+    assert torch.equal(fresh.layers[0].q_proj.weight, saved["layers.0.q_proj.weight"])
+    assert torch.equal(fresh.layers[0].q_proj.weight_scales, saved["layers.0.q_proj.weight_scales"])
+    assert torch.equal(fresh.layers[1].q_proj.weight, untouched)
+
+
+def test_errors(make_tiny_lm: Callable[[], nn.Module]) -> None:
+    model = make_tiny_lm()
+    with pytest.raises(
+        OptionError, match=r"freeze=False .*layers\.0\.q_proj\.weight requires grad"
+    ):
+        quantize_model(model, "nf4")
+    stats = quantize_model(model, "nf4", freeze=True)
+    assert stats["tensors"] == 4
+    with pytest.raises(OptionError, match="already a QuantizedLinear"):
+        quantize_model(model, "nf4")
+    frozen = make_tiny_lm().requires_grad_(False)
+    with pytest.raises(OptionError, match=r"targets='norm'.*LayerNorm"):
+        quantize_model(frozen, "nf4", targets=["norm"])
+    with pytest.raises(OptionError, match=r"targets='nope'"):
+        quantize_model(frozen, "nf4", targets=["nope"])
+    with pytest.raises(OptionError, match=r"format='q4'"):
+        quantize_model(frozen, "q4")
+    with pytest.raises(OptionError, match=r"block_size=7"):
+        quantize_model(frozen, "nf4", block_size=7)
+    with pytest.raises(OptionError, match=r"targets='q_proj'"):
+        quantize_model(frozen, "nf4", targets="q_proj")
+    with pytest.raises(OptionError, match=r"freeze=1"):
+        quantize_model(frozen, "nf4", freeze=1)  # type: ignore[arg-type]
+    assert not any(isinstance(m, QuantizedLinear) for m in frozen.modules())
