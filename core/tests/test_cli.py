@@ -155,3 +155,14 @@ def test_console_script_and_usage_errors() -> None:
         [sys.executable, "-m", "sakura.cli", "services"], capture_output=True, text=True, check=True
     )
     assert "telemetry" in ok.stdout
+
+
+def test_a_bad_environment_value_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SAKURA_DISABLE_PLUGIN_AUTOLOAD", "maybe")
+    assert main(["services"]) == 2
+    assert capsys.readouterr().err == (
+        "sakura: SAKURA_DISABLE_PLUGIN_AUTOLOAD='maybe' is not accepted; accepted: 1/0, "
+        "true/false, yes/no, on/off\n"
+    )

@@ -246,11 +246,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from sakura.errors import ConfigError
+
     try:
         return _main(argv)
     except BrokenPipeError:  # `sakura hooks | head`: the reader left; not an error
         sys.stderr.close()
         return 0
+    except ConfigError as exc:  # a bad SAKURA_* variable: the message says what is accepted
+        print(f"sakura: {exc}", file=sys.stderr)
+        return 2
 
 
 def _main(argv: Sequence[str] | None) -> int:
