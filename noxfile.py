@@ -1,11 +1,19 @@
 """Every development task of the Sakura monorepo.
 
-Sessions (``nox -l`` lists them; ``nox`` alone runs ``lint`` and ``tests``):
+Sessions (``nox -l`` lists them; ``nox`` alone runs ``lint``, ``tests_core`` and ``tests``):
 
-- ``lint``        ruff (lint and format check) over the workspace, ``mypy --strict`` on ``sakura``.
-- ``tests``       one virtualenv with torch pinned and every workspace distribution installed
+- ``lint``        ruff (pinned: ``RUFF``) check and format check over the workspace; then, in
+                  an environment like ``tests`` (torch pinned, every distribution installed),
+                  ``mypy --strict`` (pinned: ``MYPY``) over every ``src/`` of the workspace.
+                  The pins must match ``.pre-commit-config.yaml`` (checked first).
+- ``tests_core``  the core's tests (pluggy only, no torch) on every Python the packages claim
+                  (``SUPPORTED_PYTHONS``); an interpreter that is not on this machine is
+                  skipped with a message naming it.
+- ``tests``       one virtualenv (Python ``TORCH_PYTHON``: the one the pinned CPU torch build
+                  exists for) with torch pinned and every workspace distribution installed
                   editable (``core/`` first, then each ``packages/*/``); one pytest run over
-                  ``core/tests`` and every ``packages/*/tests``.
+                  ``core/tests``, every ``packages/*/tests`` and ``tests-docs/`` (every runnable
+                  block of the docs and READMEs).
 - ``build``       sdist and wheel of every distribution into ``dist/`` (cleaned first).
 - ``integration`` builds everything (plus ``tests-integration/*/`` projects), installs the
                   wheels into a fresh ``python -m venv`` as a user would, and runs
@@ -27,7 +35,9 @@ constraints file given to every pip call, so no resolver ever picks an unpinned 
 
 from __future__ import annotations
 
+import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -41,8 +51,11 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - nox itself depends on tomli before 3.11
     import tomli as tomllib
 
-nox.options.sessions = ["lint", "tests"]
+nox.options.sessions = ["lint", "tests_core", "tests"]
 nox.options.default_venv_backend = "venv"
+# A claimed Python that is not on the machine is skipped (with nox's "interpreter ... not
+# found" line), also under CI, where nox would otherwise fail the run for it.
+nox.options.error_on_missing_interpreters = False
 
 ROOT = Path(__file__).resolve().parent
 CORE = ROOT / "core"
@@ -53,9 +66,52 @@ DIST = ROOT / "dist"
 INTEGRATION_ENV = ROOT / ".nox" / "integration-env"
 
 TORCH_PIN = "torch==2.13.0"
+# The CPU build of TORCH_PIN exists for this Python only on the machines (for any other,
+# pip would pull a multi-GB CUDA build): every session that installs torch runs on it.
+TORCH_PYTHON = "3.11"
+# Every Python the distributions claim (requires-python >= 3.10, classifiers).
+SUPPORTED_PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
+# The lint tools, one version each; .pre-commit-config.yaml must name the same ones.
+RUFF = "ruff==0.17.6"
+MYPY = "mypy==2.4.1"
+PRE_COMMIT_CONFIG = ROOT / ".pre-commit-config.yaml"
 TEST_REQUIREMENTS = ["pytest>=7", "lightning", "transformers"]
+DOCS_TESTS = ROOT / "tests-docs"
 DEMO_REPORTS = ROOT / "reports" / "demo"
 LINT_PATHS = ["core", "packages", "benchmarks", "tests-integration", "noxfile.py"]
+
+
+# --- Interpreters -----------------------------------------------------------------------
+
+
+def _runs(python: str) -> bool:
+    """Whether ``python`` starts (a pyenv shim for a version that is not selected does not)."""
+    try:
+        done = subprocess.run([python, "-c", "pass"], capture_output=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+def find_python(version: str) -> str:
+    """An interpreter for ``version`` ("3.10"): ``python3.10`` on PATH if it runs, else the
+    newest ``$PYENV_ROOT/versions/3.10.*`` build (CI machines keep every version there,
+    not all of them selected). Returns the bare version when none is found, so that nox
+    reports the missing interpreter and skips the session."""
+    on_path = shutil.which(f"python{version}")
+    if on_path and _runs(on_path):
+        return on_path
+    pyenv_root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
+    pattern = str(pyenv_root / "versions" / f"{version}.*" / "bin" / f"python{version}")
+
+    def patch(path: str) -> int:
+        release = Path(path).parents[1].name.split(".")
+        return int(release[2]) if len(release) > 2 and release[2].isdigit() else -1
+
+    for candidate in sorted(glob.glob(pattern), key=patch, reverse=True):
+        if _runs(candidate):
+            return candidate
+    return version
 
 
 # --- Workspace discovery ----------------------------------------------------------------
@@ -71,6 +127,31 @@ def integration_projects() -> list[Path]:
     """Helper distributions that only the integration tests use (an example third-party
     plugin, for instance): every ``tests-integration/*/`` that has a ``pyproject.toml``."""
     return sorted(p.parent for p in INTEGRATION.glob("*/pyproject.toml"))
+
+
+def source_packages() -> list[str]:
+    """Every import package of the workspace distributions (``core/src/sakura``,
+    ``packages/sakura-zero/src/sakura_zero``, ...), relative to the root: what mypy checks."""
+    return [
+        str(d.relative_to(ROOT))
+        for project in workspace_projects()
+        for d in sorted((project / "src").glob("*/__init__.py"))
+        for d in [d.parent]
+    ]
+
+
+def check_pre_commit_pins(session: nox.Session) -> None:
+    """Fail unless .pre-commit-config.yaml uses exactly the RUFF and MYPY pins of this file."""
+    text = PRE_COMMIT_CONFIG.read_text(encoding="utf-8")
+    ruff_rev = re.search(r"repo: https://github.com/astral-sh/ruff-pre-commit\s+rev: v?(\S+)", text)
+    mypy_pins = set(re.findall(r"mypy==([\w.]+)", text))
+    found = {
+        "ruff": ruff_rev[1] if ruff_rev else None,
+        "mypy": next(iter(mypy_pins)) if len(mypy_pins) == 1 else sorted(mypy_pins),
+    }
+    wanted = {"ruff": RUFF.split("==")[1], "mypy": MYPY.split("==")[1]}
+    if found != wanted:
+        session.error(f"{PRE_COMMIT_CONFIG.name} pins {found}; noxfile.py pins {wanted}")
 
 
 def has_test_extra(project: Path) -> bool:
@@ -186,22 +267,48 @@ def fresh_venv_env(venv_dir: Path) -> tuple[Path, dict[str, str]]:
 # --- Sessions ---------------------------------------------------------------------------
 
 
-@nox.session
+@nox.session(python=find_python(TORCH_PYTHON), download_python="never")
 def lint(session: nox.Session) -> None:
-    """ruff check, ruff format --check, and mypy --strict on the sakura package."""
-    # mypy needs the packages sakura imports (and tomli: mypy checks for Python 3.10).
-    session.install("ruff", "mypy", "pluggy", "pytest", "tomli")
+    """ruff check and format check (fast, first), then mypy --strict over every src/.
+
+    mypy runs where torch (pinned) and every workspace distribution with its test extra are
+    installed, as in ``tests``, so it sees the real types of torch, lightning and
+    transformers and of each package another one imports."""
+    check_pre_commit_pins(session)
+    session.install(RUFF)
     session.run("ruff", "check", ".")
     paths = [p for p in LINT_PATHS if (ROOT / p).exists()]
     session.run("ruff", "format", "--check", *paths)
-    session.run("mypy", "--strict", "core/src/sakura")
+    install_workspace(session)
+    # tomli: mypy checks for Python 3.10, where the core imports it.
+    session.install("-c", torch_constraints(session), MYPY, "tomli")
+    session.run("mypy", "--strict", *source_packages())
 
 
-@nox.session
+@nox.session(download_python="never")
+@nox.parametrize("python", [find_python(v) for v in SUPPORTED_PYTHONS], ids=SUPPORTED_PYTHONS)
+def tests_core(session: nox.Session) -> None:
+    """The core's tests on every supported Python, with the core's own dependencies only
+    (pluggy; no torch: the tests that need it skip)."""
+    session.install(*editable(CORE))
+    session.run(
+        "pytest",
+        "-c",
+        str(ROOT / "pyproject.toml"),
+        "--import-mode=importlib",
+        str(CORE / "tests"),
+        *session.posargs,
+    )
+
+
+@nox.session(python=find_python(TORCH_PYTHON), download_python="never")
 def tests(session: nox.Session) -> None:
-    """All unit tests of all workspace distributions, in one pytest run."""
+    """All unit tests of all workspace distributions and the docs' runnable blocks, in one
+    pytest run."""
     install_workspace(session)
     test_dirs = [str(p / "tests") for p in workspace_projects() if (p / "tests").is_dir()]
+    if DOCS_TESTS.is_dir():
+        test_dirs.append(str(DOCS_TESTS))
     if not test_dirs:
         session.error("no tests/ directory in core/ or packages/*/")
     session.run(

@@ -76,11 +76,11 @@ def _bytes(value: Any) -> int:
 class Variant:
     def __init__(self, name: str, base: Any, args: argparse.Namespace) -> None:
         import torch
-        from sakura_zero import ZeRO1, ZeRO2
         from torch.distributed.optim import ZeroRedundancyOptimizer
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         from sakura import SakuraRuntime
+        from sakura_zero import ZeRO1, ZeRO2
 
         self.name = name
         self.net = copy.deepcopy(base)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from sakura_bench.cli import main
 from sakura_bench.report import SCHEMA, SCHEMA_VERSION, load_report
 

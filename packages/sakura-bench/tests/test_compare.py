@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from sakura_bench.compare import compare_reports
 from sakura_bench.errors import BenchError
 from sakura_bench.report import build_report, load_report, validate_report, write_report

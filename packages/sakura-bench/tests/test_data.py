@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from sakura_bench.data.cifar import load_cifar10, read_cifar_batch
 from sakura_bench.data.mnist import MNIST_MEAN, MNIST_STD, load_mnist, read_idx
 from sakura_bench.data.text import GLUE_TASKS, read_glue_task, read_lm_corpus

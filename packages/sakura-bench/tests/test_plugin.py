@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
 from sakura_bench import hookspecs
 from sakura_bench.cli import main
 from sakura_bench.registry import get_registry

@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 import torch
-from sakura_bench.registry import get_registry
-from sakura_bench.trial import TrialConfig, run_trial
 
 from sakura import Service
+from sakura_bench.registry import get_registry
+from sakura_bench.trial import TrialConfig, run_trial
 
 PAIRS = [
     ("mnist-mlp", "pytorch-ddp"),

@@ -22,12 +22,12 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from sakura_adapters.lightning import LightningAdapter
-from sakura_zero import ZeRO1, ZeRO2
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from sakura import SakuraRuntime
+from sakura_adapters.lightning import LightningAdapter
+from sakura_zero import ZeRO1, ZeRO2
 
 
 class Module(pl.LightningModule):

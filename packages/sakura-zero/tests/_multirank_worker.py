@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from sakura_zero import ZeRO1, ZeRO2
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from sakura import SakuraRuntime
+from sakura_zero import ZeRO1, ZeRO2
 
 STEPS = 5
 TINY_RUN_MB = 1e-4  # forces the overlapped step into several runs even on tiny models

@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from sakura_zero import ZeRO1, ZeRO2
-from sakura_zero.service import STATE_FORMAT
 
 import sakura
 from sakura import SakuraRuntime, SpecError
+from sakura_zero import ZeRO1, ZeRO2
+from sakura_zero.service import STATE_FORMAT
 
 
 @pytest.fixture(autouse=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from sakura_zero import Partition, balanced_partition, contiguous_partition
 
 

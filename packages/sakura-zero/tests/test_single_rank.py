@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from sakura_zero import ZeRO1, ZeRO2
-from sakura_zero.checkpoint import find_shards, shard_path
 
 from sakura import SakuraRuntime
 from sakura.testing import ServiceConformance
+from sakura_zero import ZeRO1, ZeRO2
+from sakura_zero.checkpoint import find_shards, shard_path
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -54,6 +54,7 @@ def strip_prefix(state: Mapping[str, Any]) -> dict[str, Any]:
 
 def _build(payload: EvalPayload) -> tuple[Any, Any, Any]:
     import torch
+
     from sakura_bench.registry import get_registry
 
     cls = get_registry().workload(payload.workload)

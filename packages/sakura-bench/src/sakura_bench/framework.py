@@ -26,10 +26,9 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from sakura import SakuraRuntime
     from sakura_bench.measure import Recorder
     from sakura_bench.workload import Split, Workload
-
-    from sakura import SakuraRuntime
 
 __all__ = ["Framework", "TrialContext", "unwrap"]
 

@@ -6,7 +6,8 @@ works, and an unknown name says which package provides it.  Services that evalua
 the workload's evaluation, which a spec string cannot carry:
 
 * ``async_eval[:DISPATCHER][,key=value...]`` is built as ``AsyncEval(eval_fn=...,
-  eval_payload=..., dispatcher=DISPATCHER, state_provider=..., **options)`` with the class
+  eval_payload=..., dispatcher=DISPATCHER, pass_task=True, state_provider=..., **options)``
+  (the task form: ``eval_fn(epoch, task)`` evaluates the weights the task carries) with the class
   that the installed plugin registers under ``async_eval`` (sakura-async);
 * any other service that has an ``eval_fn`` attribute left None and a
   ``configure(eval_fn, eval_payload)`` method is configured with them.
@@ -20,11 +21,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sakura_bench.evaluation import EvalPayload, evaluate_snapshot
-from sakura_bench.framework import unwrap
-
 from sakura import Service, SpecError, parse_spec
 from sakura.plugins import get_plugin_manager
+from sakura_bench.evaluation import EvalPayload, evaluate_snapshot
+from sakura_bench.framework import unwrap
 
 __all__ = ["BenchProbe", "BuiltServices", "build_services", "check_service_specs"]
 
@@ -104,7 +104,7 @@ def _async_eval(provided: Any, parsed: Any, workload: Any, payload: EvalPayload)
     if args and "dispatcher" in options:
         raise SpecError(f"--service {parsed}: the dispatcher is given twice")
     dispatcher = args[0] if args else options.pop("dispatcher", None)
-    for reserved in ("eval_fn", "eval_payload", "state_provider"):
+    for reserved in ("eval_fn", "eval_payload", "pass_task", "state_provider"):
         if reserved in options:
             raise SpecError(f"--service {parsed}: {reserved} is set by sakura-bench")
     try:
@@ -112,6 +112,7 @@ def _async_eval(provided: Any, parsed: Any, workload: Any, payload: EvalPayload)
             eval_fn=evaluate_snapshot,
             eval_payload=payload,
             dispatcher=None if dispatcher is None else str(dispatcher),
+            pass_task=True,
             state_provider=lambda model: workload.eval_state(unwrap(model)),
             **options,
         )

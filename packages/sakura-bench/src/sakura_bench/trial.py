@@ -52,6 +52,7 @@ class TrialConfig:
 
 def resolve_device(option: str, local_rank: int = 0) -> Any:
     import torch
+
     from sakura_bench.errors import BenchError
 
     if option not in DEVICES:
@@ -128,6 +129,7 @@ def run_trial(
     ``extra_services`` are service objects installed besides ``config.services``
     (``sakura`` runner only; for tests and programmatic use)."""
     import torch
+
     from sakura_bench.errors import BenchError
     from sakura_bench.framework import TrialContext
     from sakura_bench.measure import Recorder, environment, peak_memory, stats
@@ -227,10 +229,10 @@ def _run_sakura(
     world_size: int,
 ) -> list[str]:
     import torch
-    from sakura_bench.evaluation import EvalPayload, prepare, release, runs_in_process
-    from sakura_bench.services import BenchProbe, build_services
 
     from sakura import SakuraRuntime
+    from sakura_bench.evaluation import EvalPayload, prepare, release, runs_in_process
+    from sakura_bench.services import BenchProbe, build_services
 
     payload = EvalPayload(
         workload=config.workload,

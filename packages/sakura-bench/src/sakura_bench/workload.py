@@ -26,9 +26,10 @@ from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
 import torch
+from torch import nn
+
 from sakura_bench.batches import Batches, check_columns
 from sakura_bench.errors import BenchError, ScaleError
-from torch import nn
 
 __all__ = ["SCALES", "Split", "Workload", "classification_sums", "move_to"]
 

@@ -79,7 +79,8 @@ def check_devices(
     else:
         expected = params[0].device
         why = f"all parameters must be on one device for the {info.backend!r} backend"
-    if expected.type == "cuda" and expected.index is None:
+    index: int | None = expected.index  # None for a bare "cuda" device
+    if expected.type == "cuda" and index is None:
         expected = torch.device("cuda", torch.cuda.current_device())
     wrong = [
         (name, p.device) for name, p in zip(names, params, strict=True) if p.device != expected

@@ -116,7 +116,7 @@ class DDPOwnerHook:
     def hook(self, state, bucket):  # type: ignore[no-untyped-def]
         """The communication hook: register it as ``ddp.register_comm_hook(None, h.hook)``."""
         self.calls += 1
-        buffer = bucket.buffer()
+        buffer: torch.Tensor = bucket.buffer()
         info = self.info
         buffer.div_(info.world_size)
         segments = self._layout(bucket, buffer)

@@ -6,8 +6,9 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
-from sakura_bench.workload import Split, Workload, classification_sums
 from torch import nn
+
+from sakura_bench.workload import Split, Workload, classification_sums
 
 
 class XorWorkload(Workload):

@@ -40,7 +40,8 @@ class Bottleneck(nn.Module):
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.relu(self.bn2(self.conv2(out)))
         out = self.bn3(self.conv3(out))
-        return self.relu(out + identity)
+        activated: torch.Tensor = self.relu(out + identity)
+        return activated
 
 
 class ResNet(nn.Module):
@@ -92,7 +93,8 @@ class ResNet(nn.Module):
                 x, size=(self.resize, self.resize), mode="bilinear", align_corners=False
             )
         x = self.blocks(self.stem(x))
-        return self.fc(torch.flatten(self.pool(x), 1))
+        logits: torch.Tensor = self.fc(torch.flatten(self.pool(x), 1))
+        return logits
 
 
 def resnet(layers: Sequence[int] = (3, 4, 6, 3), **kwargs: object) -> ResNet:

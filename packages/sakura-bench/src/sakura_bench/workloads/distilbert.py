@@ -59,11 +59,11 @@ class DistilBertSST2(Workload):
     configs = DISTILBERT_SCALES
     gpu_scales: ClassVar[Mapping[str, str]] = DISTILBERT_GPU
 
-    _cache: Any = None
+    _cache: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
 
     def _splits(self) -> tuple[Split, Split]:
         if self._cache is not None:
-            return self._cache  # type: ignore[no-any-return]
+            return self._cache
         c = self.config
         if self.data_dir is None:
             from sakura_bench.data.text import synthetic_classification

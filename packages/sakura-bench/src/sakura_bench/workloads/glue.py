@@ -90,11 +90,11 @@ class DistilBertGLUE(Workload):
     }
     gpu_scales: ClassVar[Mapping[str, str]] = DISTILBERT_GPU
 
-    _cache: Any = None
+    _cache: tuple[list[str], dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
 
     def _load(self) -> tuple[list[str], Split, Split]:
         if self._cache is not None:
-            return self._cache  # type: ignore[no-any-return]
+            return self._cache
         from sakura_bench.data.text import GLUE_TASKS
 
         c = self.config

@@ -32,11 +32,11 @@ class CausalLMWorkload(Workload):
     hf_shaped = True
     kind: ClassVar[str] = "llama"
     grad_clip = 1.0
-    _cache: Any = None
+    _cache: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
 
     def _splits(self) -> tuple[Split, Split]:
         if self._cache is not None:
-            return self._cache  # type: ignore[no-any-return]
+            return self._cache
         c = self.config
         if self.data_dir is None:
             from sakura_bench.data.text import synthetic_lm

@@ -46,12 +46,14 @@ class MnistMLP(Workload):
         },
     }
 
-    _files: Any = None
+    _files: tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def _real(self) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
         from sakura_bench.data.mnist import load_mnist
 
-        if self._files is None and self.data_dir is not None:
+        if self._files is None:
+            if self.data_dir is None:
+                raise RuntimeError("MNIST files are read only when a data directory is given")
             self._files = load_mnist(self.data_dir)
         return self._files
 
