@@ -7,11 +7,11 @@ from typing import Any
 import pytest
 import torch
 from precision_helpers import make_batches, make_model, runtime_loop, weights
-from sakura_precision import MixedPrecision, TruePrecision
 from torch import nn
 
 from sakura import SakuraRuntime
 from sakura.testing import ServiceConformance
+from sakura_precision import MixedPrecision, TruePrecision
 
 # bf16 keeps 8 significant bits (relative rounding 2**-9).  Over 20 SGD steps on this model
 # the loss must stay within 0.5% of fp32 at every step and every weight within 0.005 of

@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 import torch
 from precision_helpers import Block, TinyStack, count_saved_bytes, loss_fn, make_batches, make_model
-from sakura_precision import ActivationCheckpoint, find_blocks
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sakura import SakuraRuntime
 from sakura.testing import ServiceConformance
+from sakura_precision import ActivationCheckpoint, find_blocks
 
 
 def _grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor, seed: int = 3) -> dict[str, Any]:

@@ -16,14 +16,14 @@ from typing import Any
 import pytest
 import torch
 from precision_helpers import loss_fn, make_batches, make_model
-from sakura_precision import ActivationCheckpoint, Compile
-from sakura_precision import compile as compile_module
 from torch import nn
 from torch._dynamo.utils import counters
 
 from sakura import SakuraRuntime
 from sakura.events import OnTrainStepBegin
 from sakura.testing import ServiceConformance
+from sakura_precision import ActivationCheckpoint, Compile
+from sakura_precision import compile as compile_module
 
 
 def linear_stack() -> nn.Sequential:

@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from precision_helpers import grad_scaler_loop, loss_fn, make_batches, make_model, weights
-from sakura_precision import ActivationCheckpoint, Compile, MixedPrecision
 
 from sakura import SakuraRuntime
 from sakura.testing import launch_ranks
+from sakura_precision import ActivationCheckpoint, Compile, MixedPrecision
 
 pytest.importorskip("sakura_adapters")
 from sakura_adapters.ddp import DDPAdapter

@@ -9,21 +9,22 @@ from typing import Any
 import pytest
 import torch
 from precision_helpers import grad_scaler_loop, loss_fn, make_batches, make_model, weights
-from sakura_precision import ActivationCheckpoint, Compile, MixedPrecision
 from torch import nn
 
 from sakura import SakuraRuntime, Service
+from sakura_precision import ActivationCheckpoint, Compile, MixedPrecision
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytest.importorskip("sakura_adapters")
-from sakura_adapters.hf import HFAdapter, SakuraTrainer, SakuraTrainerRequired
 from transformers import (
     BertConfig,
     BertForSequenceClassification,
     Trainer,
     TrainingArguments,
 )
+
+from sakura_adapters.hf import HFAdapter, SakuraTrainer, SakuraTrainerRequired
 
 STEPS, BATCH, EPOCHS = 3, 8, 2
 SCALER = {"init_scale": 2.0**30, "growth_interval": 2}

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 import torch
 from precision_helpers import grad_scaler_loop, loss_fn, make_batches, make_model, weights
-from sakura_precision import ActivationCheckpoint, Compile, MixedPrecision
 from torch.utils.data import DataLoader, TensorDataset
 
 from sakura import SakuraRuntime
+from sakura_precision import ActivationCheckpoint, Compile, MixedPrecision
 
 pl = pytest.importorskip("lightning.pytorch")
 pytest.importorskip("sakura_adapters")

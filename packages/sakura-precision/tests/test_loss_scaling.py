@@ -16,10 +16,10 @@ from precision_helpers import (
     runtime_loop,
     weights,
 )
-from sakura_precision import LossScaledPrecision, MixedPrecision
 
 from sakura import SakuraRuntime
 from sakura.testing import ServiceConformance, check_state_round_trip
+from sakura_precision import LossScaledPrecision, MixedPrecision
 
 
 def _assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:

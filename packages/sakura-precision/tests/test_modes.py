@@ -6,6 +6,10 @@ from typing import Any
 
 import pytest
 import torch
+
+import sakura
+from sakura import SakuraRuntime
+from sakura.errors import SpecError
 from sakura_precision import (
     ActivationCheckpoint,
     AutocastPrecision,
@@ -16,10 +20,6 @@ from sakura_precision import (
     TruePrecision,
 )
 from sakura_precision.modes import ACCEPTED, cpu_has_native_bf16, resolve_mode
-
-import sakura
-from sakura import SakuraRuntime
-from sakura.errors import SpecError
 
 
 @pytest.mark.parametrize(

@@ -381,6 +381,19 @@ class LossScaledPrecision(AutocastPrecision):
         self._scaled = True
         return scaler.scale(loss)
 
+    def loss_scale(self) -> float | None:
+        """The scale this step's losses were multiplied by (``rt.loss_scale()``), so that a
+        monitor can read after-backward gradients at their true size: divide by it.
+
+        Unlike :attr:`scale` this never finishes the last step early: between an optimizer
+        step and the next ``wrap_loss`` it still answers the scale that step's gradients
+        carried.  ``None`` before the first scaled loss when no scaler exists yet and no
+        state was loaded: nothing has been scaled.  Reads the scale from the device.
+        """
+        if self._scaler is None:
+            return None
+        return float(self._scaler.get_scale())
+
     def unscale_gradients(self, optimizer: Any) -> None:
         optimizer = base_optimizer(optimizer)
         key = id(optimizer)
