@@ -15,6 +15,9 @@ from sakura_bench.workload import Split, Workload, classification_sums
 
 __all__ = ["MnistMLP", "MnistMLPMulti"]
 
+# ((train images, train labels), (test images, test labels)) as read from the IDX files.
+_MnistFiles = tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
 
 class MnistMLP(Workload):
     """An MLP classifying 28x28 digits; synthetic digits with MNIST's shapes by default,
@@ -46,9 +49,9 @@ class MnistMLP(Workload):
         },
     }
 
-    _files: tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+    _files: _MnistFiles | None = None
 
-    def _real(self) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    def _real(self) -> _MnistFiles:
         from sakura_bench.data.mnist import load_mnist
 
         if self._files is None:
