@@ -96,7 +96,7 @@ KNOWN_PROVIDERS: dict[str, str] = {
     "quant": "sakura-quant",
     "QuantizedBase": "sakura-quant",
     "offload_adamw": "sakura-offload",
-    "OffloadAdamW": "sakura-offload",
+    "OffloadAdamWService": "sakura-offload",
 }
 """Names provided by first-party packages (spec names and facade class names), so a
 missing one says what to install.  ``core/tests/test_known_providers.py`` checks it against
