@@ -21,10 +21,9 @@ import torch
 
 torch.set_num_threads(1)  # no OpenMP pool in the parent: forked children stay safe
 
+from sakura import OnTrainStepEnd, SakuraRuntime  # noqa: E402
 from sakura_async import AsyncCheckpoint, load_latest  # noqa: E402
 from sakura_async.checkpoint import find_checkpoints, write_checkpoint  # noqa: E402
-
-from sakura import OnTrainStepEnd, SakuraRuntime  # noqa: E402
 
 NUMEL = 512 * 1024  # 2 MiB of fp32
 
@@ -79,7 +78,7 @@ def main() -> None:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         summary["kills"] += 1
-        summary["temporaries_seen"] += sum(e.startswith(".tmp-") for e in os.listdir(root))
+        summary["temporaries_seen"] += sum(e.startswith(".") for e in os.listdir(root))
         latest = load_latest(root)
         if latest is None:
             summary["problems"].append("load_latest returned None")

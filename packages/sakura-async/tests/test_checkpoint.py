@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -213,7 +214,7 @@ def test_loaders_skip_corrupt_and_incomplete_checkpoints(tmp_path: Path) -> None
         f.seek(-20, os.SEEK_END)
         f.write(bytes([byte[0] ^ 0xFF]))
     (tmp_path / "step-0000000009-epoch-0000").mkdir()  # a directory without a manifest
-    (tmp_path / ".tmp-step-0000000010-epoch-0000-1-deadbeef").mkdir()
+    (tmp_path / ".step-0000000010-epoch-0000.x1y2.tmp").mkdir()  # a write in progress
     latest = load_latest(tmp_path)
     assert latest is not None and latest.step == 2
     assert [c.step for c in find_checkpoints(tmp_path, verify=True)] == [1, 2]
@@ -221,11 +222,25 @@ def test_loaders_skip_corrupt_and_incomplete_checkpoints(tmp_path: Path) -> None
 
 
 def test_stale_temporaries_of_dead_writers_are_removed_at_setup(tmp_path: Path) -> None:
-    stale = tmp_path / ".tmp-step-0000000001-epoch-0000-999999999-deadbeef"
-    stale.mkdir()
+    def building(name: str, pid: int | None, age_s: float = 0.0) -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        if pid is not None:
+            (path / ".sakura-writer").write_text(str(pid))
+        if age_s:
+            past = time.time() - age_s
+            os.utime(path, (past, past))
+        return path
+
+    dead = building(".step-0000000001-epoch-0000.k3j2.tmp", 999_999_999)
+    alive = building(".step-0000000002-epoch-0000.a8x1.tmp", os.getppid())  # another live pid
+    crashed_at_birth = building(".step-0000000003-epoch-0000.zz01.tmp", None, age_s=3600)
+    about_to_rename = building(".step-0000000004-epoch-0000.qq02.tmp", None)  # marker gone
+    deleting = building(".deleting-step-0000000000-epoch-0000-1", None)
     with SakuraRuntime(strict=True) as rt:
         rt.install(AsyncCheckpoint(tmp_path, dispatcher="inthread"))
-    assert not stale.exists()
+    assert not dead.exists() and not crashed_at_birth.exists() and not deleting.exists()
+    assert alive.exists() and about_to_rename.exists()
 
 
 def test_train_steps_poll_without_blocking(world: Any, tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import math
 import os
 import re
 import time
@@ -421,6 +422,14 @@ class AsyncCheckpoint(Service):
             return
         self._last_metric = value
         if self.unit != "best" or event.step in self._metric_steps:
+            return
+        if math.isnan(value):  # NaN compares false with everything: never the best
+            logger.warning(
+                "sakura AsyncCheckpoint %r: %s is NaN at step %d; not a candidate for the best",
+                self.name,
+                self.metric,
+                event.step,
+            )
             return
         self._metric_steps.add(event.step)
         if len(self._metric_steps) > 64:

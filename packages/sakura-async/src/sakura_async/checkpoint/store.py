@@ -5,32 +5,42 @@ Layout: one directory per checkpoint under the checkpoint root::
     ckpt/
       step-0000000120-epoch-0002/
         state.pt              (state.safetensors, checkpoint.ckpt; ".zst" when compressed)
-        manifest.json         step, epoch, metric, format, sha256 and size of every file
-      .tmp-step-...-<pid>-<random>/   a write in progress (or abandoned by a crash)
+        manifest.json         step, epoch, metric, format, sha256 and size of every file,
+                              and the sha256 of the manifest itself
+      .step-...-epoch-....<random>.tmp/   a write in progress (or abandoned by a crash)
 
-A write goes to a temporary directory: the state file is written and fsynced, then the
-manifest (written and fsynced last), then the directory itself is fsynced, renamed to its
-final name, and the root directory fsynced.  A crash at any moment leaves either the
-complete checkpoint or an ignored ``.tmp-`` directory, never a partial checkpoint under a
-final name.  Retention runs only after the new checkpoint is durable, and deletes only
-checkpoints older than it.  Loaders (:func:`load_latest`, :func:`load_best`) check every
-file against the manifest's sha256 and skip anything incomplete or corrupt.
+A write builds the directory under a temporary name with
+:func:`sakura.fileio.atomic_directory`: the state file is written, the manifest (written
+last), every file and the directory fsynced, the directory renamed to its final name and
+the root fsynced.  A crash at any moment leaves either the complete checkpoint or an
+ignored temporary directory, never a partial checkpoint under a final name.  Retention
+runs only after the new checkpoint is durable, and deletes only checkpoints older than it.
+
+The manifest protects itself: ``manifest_sha256`` is the SHA-256 of its canonical JSON
+(sorted keys, no spaces) without that key.  A checkpoint is complete only when its
+manifest is intact, lists the state file, and names the same step and epoch as the
+directory.  Loaders (:func:`load_latest`, :func:`load_best`) also check every file against
+its size and SHA-256, and skip anything incomplete or corrupt with a warning.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
+import math
 import os
 import re
-import secrets
 import shutil
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from sakura.errors import add_note
+from sakura.fileio import atomic_directory, fsync_dir
+from sakura.options import check_choice
 from sakura_async.checkpoint.formats import FORMATS, main_file, read_state, write_state
 from sakura_async.errors import CheckpointError
 
@@ -40,6 +50,7 @@ __all__ = [
     "find_checkpoints",
     "load_best",
     "load_latest",
+    "manifest_digest",
     "remove_stale_temporaries",
     "verify",
     "write_checkpoint",
@@ -48,9 +59,16 @@ __all__ = [
 logger = logging.getLogger("sakura.async")
 
 MANIFEST = "manifest.json"
-MANIFEST_VERSION = 1
-_TMP_PREFIX = ".tmp-"
+MANIFEST_VERSION = 2
+_DIGEST_KEY = "manifest_sha256"
+_WRITER = ".sakura-writer"
+"""Inside a directory being written: the writer's pid (removed before the rename)."""
+_DOOMED = ".deleting-"
 _NAME = re.compile(r"step-(\d+)-epoch-(\d+)(?:\.(\d+))?\Z")
+_TEMPORARY = re.compile(r"\.step-\d+-epoch-\d+(?:\.\d+)?\..*\.tmp\Z")
+_RESCANS = 1000
+"""How many times a loader lists the directory again when the checkpoints it picked were
+removed by retention while it read them (each removal means a newer one exists)."""
 
 
 @dataclass
@@ -76,24 +94,84 @@ class Checkpoint:
         return None if self.metric is None else self.metric.get("value")
 
 
+# --- the manifest -------------------------------------------------------------------------
+
+
+def manifest_digest(manifest: dict[str, Any]) -> str:
+    """SHA-256 of the manifest's canonical JSON, without its own ``manifest_sha256``."""
+    body = {k: v for k, v in manifest.items() if k != _DIGEST_KEY}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+def _plain_name(name: Any) -> bool:
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..", MANIFEST)
+        and os.path.basename(name) == name
+        and "/" not in name
+        and "\\" not in name
+    )
+
+
+def _check_manifest(manifest: Any, dirname: str) -> str | None:
+    """None when ``manifest`` is a complete, intact manifest for directory ``dirname``;
+    else what is wrong."""
+    if not isinstance(manifest, dict):
+        return "manifest.json does not hold an object"
+    version = manifest.get("sakura_checkpoint")
+    if version != MANIFEST_VERSION:
+        return (
+            f"manifest version {version!r} is not supported (this version reads {MANIFEST_VERSION})"
+        )
+    if manifest.get(_DIGEST_KEY) != manifest_digest(manifest):
+        return "manifest.json does not match its own sha256 (changed or corrupt)"
+    if manifest.get("format") not in FORMATS:
+        return f"unknown format {manifest.get('format')!r}"
+    files, main = manifest.get("files"), manifest.get("main")
+    if not isinstance(files, dict) or not files:
+        return "the manifest lists no files"
+    if not _plain_name(main) or main not in files:
+        return f"the state file {main!r} is not listed in the manifest"
+    for name, info in files.items():
+        if not _plain_name(name):
+            return f"the manifest lists a file outside the checkpoint: {name!r}"
+        if (
+            not isinstance(info, dict)
+            or not isinstance(info.get("sha256"), str)
+            or isinstance(info.get("bytes"), bool)
+            or not isinstance(info.get("bytes"), int)
+        ):
+            return f"the manifest entry of {name!r} has no sha256 and size"
+    step, epoch = manifest.get("step"), manifest.get("epoch")
+    match = _NAME.match(dirname)
+    if (
+        match is None
+        or not isinstance(step, int)
+        or not isinstance(epoch, int)
+        or int(match.group(1)) != step
+        or int(match.group(2)) != epoch
+    ):
+        return f"the directory name does not match the manifest's step {step!r} and epoch {epoch!r}"
+    return None
+
+
 # --- writing ------------------------------------------------------------------------------
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _final_name(root: str, step: int, epoch: int) -> str:
     base = f"step-{step:010d}-epoch-{epoch:04d}"
     name, n = base, 0
-    while os.path.exists(os.path.join(root, name)):
+    while os.path.lexists(os.path.join(root, name)):
         n += 1
         name = f"{base}.{n}"
     return name
+
+
+def _name_taken(error: OSError, final: str) -> bool:
+    """A rename onto a directory another writer created meanwhile."""
+    taken = isinstance(error, FileExistsError) or error.errno in (errno.EEXIST, errno.ENOTEMPTY)
+    return taken and os.path.isdir(final)
 
 
 def write_checkpoint(
@@ -111,55 +189,72 @@ def write_checkpoint(
     """Write ``state`` as a new checkpoint under ``root`` atomically; apply retention
     (``keep`` newest complete checkpoints) once it is durable.  Returns its directory.
 
-    This is what AsyncCheckpoint runs on its dispatcher; it is usable on its own.
+    This is what AsyncCheckpoint runs on its dispatcher; it is usable on its own.  An
+    ``OSError`` (a full disk, a directory that cannot be written) carries a note naming
+    ``dir`` and the checkpoint; nothing older is touched when a write fails.
     """
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
-    os.makedirs(root, exist_ok=True)
-    name = _final_name(root, step, epoch)
-    tmp = os.path.join(root, f"{_TMP_PREFIX}{name}-{os.getpid()}-{secrets.token_hex(4)}")
-    os.mkdir(tmp)
     try:
-        file_name = main_file(format, compress)
-        with open(os.path.join(tmp, file_name), "wb") as f:
-            hashing = write_state(state, f, format, compress)
-            f.flush()
-            os.fsync(f.fileno())
-        manifest = {
-            "sakura_checkpoint": MANIFEST_VERSION,
-            "format": format,
-            "step": int(step),
-            "epoch": int(epoch),
-            "metric": metric,
-            "created_unix": time.time(),
-            "compression": "zstd" if compress else None,
-            "main": file_name,
-            "files": {file_name: {"sha256": hashing.sha256.hexdigest(), "bytes": hashing.bytes}},
-            "extra": extra or {},
-        }
-        with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
-            json.dump(manifest, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        for _ in range(100):
-            final = os.path.join(root, name)
-            try:
-                os.rename(tmp, final)  # fails if another writer took the name meanwhile
-                break
-            except OSError:
-                if not os.path.exists(final):
-                    raise
-                name = _final_name(root, step, epoch)
-        else:
-            raise CheckpointError(f"could not find a free checkpoint name under {root}")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(root, exist_ok=True)
+        final = _write_new(root, state, format, step, epoch, metric, compress, extra)
+    except OSError as exc:
+        add_note(
+            exc,
+            f"AsyncCheckpoint: dir={root!r}: writing the checkpoint of step {step} failed "
+            f"({exc.strerror or exc}); the checkpoints already there are untouched",
+        )
         raise
-    _fsync_dir(root)
+    fsync_dir(root)
     if keep is not None:
         _retain(root, keep, newest=final)
     return final
+
+
+def _write_new(
+    root: str,
+    state: Any,
+    format: str,
+    step: int,
+    epoch: int,
+    metric: dict[str, Any] | None,
+    compress: int | None,
+    extra: dict[str, Any] | None,
+) -> str:
+    for _ in range(100):
+        final = os.path.join(root, _final_name(root, step, epoch))
+        try:
+            with atomic_directory(final) as tmp:
+                marker = os.path.join(tmp, _WRITER)
+                with open(marker, "w", encoding="ascii") as f:
+                    f.write(str(os.getpid()))
+                file_name = main_file(format, compress)
+                with open(os.path.join(tmp, file_name), "wb") as f:
+                    hashing = write_state(state, f, format, compress)
+                manifest: dict[str, Any] = {
+                    "sakura_checkpoint": MANIFEST_VERSION,
+                    "format": format,
+                    "step": int(step),
+                    "epoch": int(epoch),
+                    "metric": metric,
+                    "created_unix": time.time(),
+                    "compression": "zstd" if compress else None,
+                    "main": file_name,
+                    "files": {
+                        file_name: {"sha256": hashing.sha256.hexdigest(), "bytes": hashing.bytes}
+                    },
+                    "extra": extra or {},
+                }
+                manifest[_DIGEST_KEY] = manifest_digest(manifest)
+                with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
+                    json.dump(manifest, f, indent=1, sort_keys=True)
+                os.unlink(marker)  # atomic_directory fsyncs the files, renames, fsyncs root
+            return final
+        except OSError as exc:
+            if not _name_taken(exc, final):
+                raise
+            # Another writer took the name between our choice and our rename: next name.
+    raise CheckpointError(f"could not find a free checkpoint name under {root}")
 
 
 def _retain(root: str, keep: int, *, newest: str) -> None:
@@ -173,35 +268,56 @@ def _retain(root: str, keep: int, *, newest: str) -> None:
     older = found[:cutoff]
     for old in older[: max(0, len(older) - keep)]:
         # Rename first so a crash mid-delete never leaves a half-deleted "complete" one.
-        doomed = os.path.join(root, f"{_TMP_PREFIX}deleting-{os.path.basename(old.path)}")
+        doomed = os.path.join(root, f"{_DOOMED}{os.path.basename(old.path)}-{os.getpid()}")
         try:
             os.rename(old.path, doomed)
         except OSError:
             continue
         shutil.rmtree(doomed, ignore_errors=True)
-    _fsync_dir(root)
+    fsync_dir(root)
 
 
-def remove_stale_temporaries(root: str) -> list[str]:
-    """Remove ``.tmp-`` directories left by writers that are no longer alive."""
+def remove_stale_temporaries(root: str, *, min_age_s: float = 60.0) -> list[str]:
+    """Remove what interrupted writers left under ``root``: directories being built by a
+    writer that is no longer alive, and checkpoints that retention was deleting.
+
+    A directory being built records its writer's pid until just before its rename; one
+    without a record (a crash right after it was created) is removed once it is
+    ``min_age_s`` old, so a write about to be renamed is never touched.
+    """
     removed: list[str] = []
     if not os.path.isdir(root):
         return removed
+    now = time.time()
     for entry in os.listdir(root):
-        if not entry.startswith(_TMP_PREFIX):
+        path = os.path.join(root, entry)
+        if entry.startswith(_DOOMED):
+            stale = True
+        elif _TEMPORARY.match(entry):
+            stale = _abandoned(path, now, min_age_s)
+        else:
             continue
-        match = re.search(r"-(\d+)-[0-9a-f]{8}\Z", entry)
-        pid = int(match.group(1)) if match else None
-        if pid is not None and pid != os.getpid() and _alive(pid):
-            continue
-        if pid == os.getpid():
-            continue
-        shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
-        removed.append(entry)
+        if stale:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(entry)
     return removed
 
 
+def _abandoned(path: str, now: float, min_age_s: float) -> bool:
+    try:
+        with open(os.path.join(path, _WRITER), encoding="ascii") as f:
+            pid = int(f.read().strip() or -1)
+    except (OSError, ValueError):
+        try:
+            return now - os.stat(path).st_mtime >= min_age_s
+        except OSError:
+            return False  # renamed or removed meanwhile
+    return pid != os.getpid() and not _alive(pid)
+
+
 def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -214,17 +330,30 @@ def _alive(pid: int) -> bool:
 # --- reading ------------------------------------------------------------------------------
 
 
-def _read_manifest(path: str) -> dict[str, Any] | None:
+class _Vanished(Exception):
+    """A checkpoint was removed (by retention) while it was being read."""
+
+
+def _read_manifest(path: str) -> dict[str, Any]:
+    """The checked manifest of checkpoint directory ``path``.  Raises :class:`_Vanished`
+    when the directory is gone, ``ValueError`` saying what is wrong otherwise."""
     try:
         with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
-            manifest = json.load(f)
-    except (OSError, ValueError):
-        return None
-    if not isinstance(manifest, dict) or manifest.get("sakura_checkpoint") != MANIFEST_VERSION:
-        return None
-    if manifest.get("format") not in FORMATS or not isinstance(manifest.get("files"), dict):
-        return None
-    return manifest
+            text = f.read()
+    except OSError as exc:
+        if not os.path.isdir(path):
+            raise _Vanished(path) from exc
+        if isinstance(exc, FileNotFoundError):
+            raise ValueError("it has no manifest.json") from exc
+        raise ValueError(f"its manifest.json cannot be read ({exc})") from exc
+    try:
+        manifest = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"its manifest.json is not valid JSON ({exc})") from exc
+    problem = _check_manifest(manifest, os.path.basename(path))
+    if problem is not None:
+        raise ValueError(problem)
+    return manifest  # type: ignore[no-any-return]
 
 
 def _sha256(path: str) -> str:
@@ -235,48 +364,75 @@ def _sha256(path: str) -> str:
     return digest.hexdigest()
 
 
-def verify(checkpoint: Checkpoint) -> str | None:
-    """None when every file matches the manifest; else what is wrong."""
+def _problem(checkpoint: Checkpoint) -> str | None:
+    """:func:`verify`, raising :class:`_Vanished` when the directory itself is gone."""
     for name, info in checkpoint.manifest["files"].items():
         file = os.path.join(checkpoint.path, name)
         try:
             size = os.path.getsize(file)
-        except OSError:
-            return f"{name} is missing"
-        if size != info.get("bytes"):
-            return f"{name} has {size} bytes, the manifest says {info.get('bytes')}"
-        if _sha256(file) != info.get("sha256"):
-            return f"{name} does not match its sha256 in the manifest"
+            if size != info.get("bytes"):
+                return f"{name} has {size} bytes, the manifest says {info.get('bytes')}"
+            if _sha256(file) != info.get("sha256"):
+                return f"{name} does not match its sha256 in the manifest"
+        except OSError as exc:
+            if not os.path.isdir(checkpoint.path):
+                raise _Vanished(checkpoint.path) from exc
+            return f"{name} is missing or unreadable ({exc})"
     return None
 
 
-def find_checkpoints(root: str, *, verify: bool = False) -> list[Checkpoint]:
-    """Complete checkpoints under ``root``, oldest first (by step, then write time).
+def verify(checkpoint: Checkpoint) -> str | None:
+    """None when every file matches the manifest; else what is wrong."""
+    try:
+        return _problem(checkpoint)
+    except _Vanished:
+        return f"{checkpoint.path} was removed"
 
-    With ``verify=True``, those whose files do not match their manifest are left out
-    (reading every file).
-    """
+
+def _scan(root: str) -> tuple[list[Checkpoint], bool]:
+    """Complete checkpoints under ``root`` oldest first, and whether one vanished while
+    listing.  Incomplete ones are skipped with a warning."""
     found: list[Checkpoint] = []
-    if not os.path.isdir(root):
-        return found
-    for entry in os.listdir(root):
+    vanished = False
+    try:
+        entries = os.listdir(root)
+    except FileNotFoundError:
+        return found, False
+    for entry in entries:
         if entry.startswith(".") or not _NAME.match(entry):
             continue
         path = os.path.join(root, entry)
-        manifest = _read_manifest(path)
-        if manifest is None:
+        try:
+            manifest = _read_manifest(path)
+        except _Vanished:
+            vanished = True
             continue
-        ckpt = Checkpoint(
-            path=path,
-            file=os.path.join(path, manifest["main"]),
-            format=manifest["format"],
-            step=int(manifest["step"]),
-            epoch=int(manifest["epoch"]),
-            metric=manifest.get("metric"),
-            manifest=manifest,
+        except ValueError as exc:
+            logger.warning("sakura: skipping checkpoint %s: %s", path, exc)
+            continue
+        found.append(
+            Checkpoint(
+                path=path,
+                file=os.path.join(path, manifest["main"]),
+                format=manifest["format"],
+                step=manifest["step"],
+                epoch=manifest["epoch"],
+                metric=manifest.get("metric"),
+                manifest=manifest,
+            )
         )
-        found.append(ckpt)
     found.sort(key=lambda c: (c.step, c.manifest.get("created_unix", 0.0), c.path))
+    return found, vanished
+
+
+def find_checkpoints(root: str | os.PathLike[str], *, verify: bool = False) -> list[Checkpoint]:
+    """Complete checkpoints under ``root``, oldest first (by step, then write time).
+
+    A directory whose manifest is missing, unreadable, changed, or does not match the
+    directory is left out with a warning.  With ``verify=True``, those whose files do not
+    match their manifest are left out too (reading every file).
+    """
+    found, _ = _scan(os.fspath(root))
     if verify:
         found = [c for c in found if _verify_quiet(c)]
     return found
@@ -290,7 +446,9 @@ def _verify_quiet(ckpt: Checkpoint) -> bool:
 
 
 def _load(ckpt: Checkpoint, map_location: Any, weights_only: bool) -> Checkpoint | None:
-    problem = verify(ckpt)
+    """``ckpt`` with its state loaded; None when it is corrupt (warned).  Raises
+    :class:`_Vanished` when retention removed it meanwhile."""
+    problem = _problem(ckpt)
     if problem is not None:
         logger.warning("sakura: skipping checkpoint %s: %s", ckpt.path, problem)
         return None
@@ -298,9 +456,35 @@ def _load(ckpt: Checkpoint, map_location: Any, weights_only: bool) -> Checkpoint
         ckpt.state = read_state(
             ckpt.file, ckpt.format, map_location=map_location, weights_only=weights_only
         )
-    except FileNotFoundError:
-        return None  # removed by retention while we read it
+    except FileNotFoundError as exc:
+        raise _Vanished(ckpt.path) from exc
     return ckpt
+
+
+def _load_first(
+    root: str,
+    order: Any,
+    map_location: Any,
+    weights_only: bool,
+) -> Checkpoint | None:
+    """Load the first loadable checkpoint of ``order(found)``.  When one the loader picked
+    was removed meanwhile (retention, after a newer one became durable), the directory is
+    listed again, so a reader never misses the checkpoint that replaced it."""
+    for _ in range(_RESCANS):
+        found, vanished = _scan(root)
+        try:
+            for ckpt in order(found):
+                loaded = _load(ckpt, map_location, weights_only)
+                if loaded is not None:
+                    return loaded
+        except _Vanished:
+            continue
+        if not vanished:
+            return None
+    raise CheckpointError(
+        f"checkpoints under {root} kept being replaced while they were read "
+        f"({_RESCANS} attempts); is a writer with a very short interval running?"
+    )
 
 
 def load_latest(
@@ -309,15 +493,18 @@ def load_latest(
     """The newest complete checkpoint under ``root`` with its state loaded, or None.
 
     Checksums are verified; an incomplete or corrupt checkpoint is skipped (with a
-    warning) in favour of the previous one.  ``weights_only=True`` loads without
-    unpickling arbitrary objects.
+    warning) in favour of the previous one.  Safe while a writer adds checkpoints and
+    retention removes old ones.  ``weights_only=True`` loads without unpickling arbitrary
+    objects.
     """
-    root = os.fspath(root)
-    for ckpt in reversed(find_checkpoints(root)):
-        loaded = _load(ckpt, map_location, weights_only)
-        if loaded is not None:
-            return loaded
-    return None
+    return _load_first(os.fspath(root), lambda found: reversed(found), map_location, weights_only)
+
+
+def _metric_number(ckpt: Checkpoint) -> float | None:
+    value = ckpt.metric_value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        return None  # NaN never ranks: it compares false with everything
+    return float(value)
 
 
 def load_best(
@@ -332,33 +519,34 @@ def load_best(
     None when no checkpoint records one.
 
     ``metric`` restricts to checkpoints that recorded that metric name; ``mode`` ("min" or
-    "max") overrides the mode stored in the manifests.
+    "max") overrides the mode stored in the manifests.  Checkpoints whose metric is NaN
+    (or not a number) are never chosen.
     """
-    if mode is not None and mode not in ("min", "max"):
-        raise ValueError(f"mode must be 'min', 'max' or None, got {mode!r}")
-    root = os.fspath(root)
-    scored = []
-    for ckpt in find_checkpoints(root):
-        m = ckpt.metric
-        if not m or m.get("value") is None or (metric is not None and m.get("name") != metric):
-            continue
-        scored.append(ckpt)
-    if not scored:
-        return None
-    names = {c.metric["name"] for c in scored}  # type: ignore[index]
-    if len(names) > 1:
-        raise CheckpointError(
-            f"checkpoints under {root} record different metrics {sorted(names)}; pass metric="
-        )
-    chosen_mode = mode or scored[-1].metric.get("mode", "min")  # type: ignore[union-attr]
-    sign = 1.0 if chosen_mode == "min" else -1.0
-    # Best first; among equals the newest.
-    scored.sort(key=lambda c: (sign * float(c.metric["value"]), -c.step))  # type: ignore[index]
-    for ckpt in scored:
-        loaded = _load(ckpt, map_location, weights_only)
-        if loaded is not None:
-            return loaded
-    return None
+    if mode is not None:
+        check_choice("mode", mode, ("min", "max"), owner="load_best")
+
+    def order(found: list[Checkpoint]) -> list[Checkpoint]:
+        scored = [
+            c
+            for c in found
+            if _metric_number(c) is not None
+            and isinstance(c.metric, dict)
+            and (metric is None or c.metric.get("name") == metric)
+        ]
+        if not scored:
+            return []
+        names = {str(c.metric["name"]) for c in scored if c.metric is not None}
+        if len(names) > 1:
+            raise CheckpointError(
+                f"checkpoints under {os.fspath(root)} record different metrics {sorted(names)}; "
+                f"pass metric="
+            )
+        last = scored[-1].metric or {}
+        sign = 1.0 if (mode or last.get("mode", "min")) == "min" else -1.0
+        # Best first; among equals the newest.
+        return sorted(scored, key=lambda c: (sign * (_metric_number(c) or 0.0), -c.step))
+
+    return _load_first(os.fspath(root), order, map_location, weights_only)
 
 
 def describe_dir(root: str) -> str:
