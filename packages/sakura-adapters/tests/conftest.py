@@ -72,6 +72,31 @@ class StepCounter(Service):
         self.loaded = self.count
 
 
+class EpochCounter(Service):
+    """A second stateful service: counts finished epochs (for resumes that add or drop it)."""
+
+    name = "epoch_counter"
+
+    def __init__(self) -> None:
+        self.epochs = 0
+        self.loaded: int | None = None
+
+    def on_epoch_end(self, event: Any) -> None:
+        self.epochs += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epochs": self.epochs}
+
+    def load_state_dict(self, state: Any) -> None:
+        self.epochs = int(state["epochs"])
+        self.loaded = self.epochs
+
+
+@pytest.fixture
+def epoch_counter() -> EpochCounter:
+    return EpochCounter()
+
+
 @pytest.fixture
 def step_owner() -> StepOwner:
     return StepOwner()

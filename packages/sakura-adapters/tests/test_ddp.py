@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 
 from sakura import OnOptimizerStep, SakuraRuntime, Service
+from sakura.options import OptionError
+from sakura.resume import ServiceStateError, ServiceStateWarning
 from sakura.testing import RecordingService, launch_ranks
 from sakura_adapters.ddp import DDPAdapter
 
@@ -156,12 +158,47 @@ def test_checkpoint_round_trip_through_the_adapter(tmp_path: Path, step_counter:
     assert fresh.loaded == EPOCHS * STEPS and adapter.global_step == EPOCHS * STEPS
 
 
+def test_resume_with_a_changed_service_list(
+    tmp_path: Path, step_counter: Any, epoch_counter: Any
+) -> None:
+    with SakuraRuntime([step_counter, epoch_counter], strict=True) as rt:
+        adapter = owned_loop(rt, make_model())
+        checkpoint = adapter.on_save_checkpoint({"global_step": adapter.global_step})
+    assert checkpoint is not None
+    resumed = type(step_counter)()
+    with SakuraRuntime([resumed], strict=True) as rt:
+        with pytest.raises(ServiceStateError, match="epoch_counter"):
+            DDPAdapter(rt, strict_resume=True).on_load_checkpoint(checkpoint)
+        assert resumed.loaded is None
+        adapter = DDPAdapter(rt)
+        with pytest.warns(ServiceStateWarning, match=r"state for service\(s\) \['epoch_counter'\]"):
+            adapter.on_load_checkpoint(checkpoint)
+        assert resumed.loaded == EPOCHS * STEPS
+        again = adapter.on_save_checkpoint({})
+    assert again == {
+        "sakura": {"step_counter": {"count": EPOCHS * STEPS}, "epoch_counter": {"epochs": EPOCHS}}
+    }
+    with (
+        SakuraRuntime([type(step_counter)()], strict=True) as rt,
+        pytest.raises(ServiceStateError, match="epoch_counter"),
+    ):
+        DDPAdapter(rt).on_load_checkpoint(checkpoint, strict=True)
+    with pytest.raises(OptionError, match=r"DDPAdapter: strict_resume='on' is not accepted"):
+        DDPAdapter(SakuraRuntime(), strict_resume="on")  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"rank": -1, "world_size": 2}, "rank must be an int >= 0"),
-        ({"rank": 0, "world_size": 0}, "world_size must be"),
-        ({"rank": 2, "world_size": 2}, r"rank must be in \[0, world_size=2\)"),
+        (
+            {"rank": -1, "world_size": 2},
+            r"DDPAdapter: rank=-1 is not accepted; accepted: an int >= 0",
+        ),
+        ({"rank": 0, "world_size": 0}, r"DDPAdapter: world_size=0 is not accepted"),
+        (
+            {"rank": 2, "world_size": 2},
+            r"DDPAdapter: rank=2 is not accepted; accepted: an int in \[0, world_size=2\)",
+        ),
     ],
 )
 def test_bad_rank_and_world_size(kwargs: dict[str, Any], message: str) -> None:

@@ -26,6 +26,8 @@ from transformers import (
 
 from sakura import SakuraRuntime
 from sakura.events import OnError, OnLoadCheckpoint, OnTrainBegin, OnTrainStepEnd
+from sakura.options import OptionError
+from sakura.resume import ServiceStateError, ServiceStateWarning
 from sakura.testing.recording import RecordingService
 from sakura_adapters.hf import (
     STATE_FILE,
@@ -770,6 +772,81 @@ def test_stock_trainer_resume_restores_service_state(tmp_path, model, train_data
     assert counter2.count == TOTAL_STEPS
 
 
+# --- resuming with a changed service list -------------------------------------------------------
+
+
+def _save_at_step_6(tmp_path, model, train_data, services):
+    """A stock-Trainer run of 1.5 epochs with ``services``, saved at step 6."""
+    args = make_args(tmp_path, save_strategy="steps", save_steps=6, num_train_epochs=1.5)
+    rt = SakuraRuntime(services, strict=True)
+    Trainer(
+        model=model,
+        args=args,
+        train_dataset=train_data,
+        optimizer_cls_and_kwargs=SGD,
+        callbacks=[HFAdapter(rt)],
+    ).train()
+    return tmp_path / "out" / "checkpoint-6"
+
+
+def _resume(tmp_path, train_data, services, *, sakura_trainer=False, **options):
+    args = make_args(tmp_path, save_strategy="steps", save_steps=6)
+    torch.manual_seed(0)
+    rt = SakuraRuntime(services, strict=True)
+    kwargs = dict(model=TinyRegressor(), args=args, train_dataset=train_data)
+    if sakura_trainer:
+        trainer = SakuraTrainer(**kwargs, optimizer_cls_and_kwargs=SGD, runtime=rt, **options)
+    else:
+        adapter = HFAdapter(rt, **options)
+        trainer = Trainer(**kwargs, optimizer_cls_and_kwargs=SGD, callbacks=[adapter])
+    trainer.train(resume_from_checkpoint=True)
+
+
+def test_resume_with_an_added_service_starts_it_fresh(tmp_path, model, train_data, epoch_counter):
+    _save_at_step_6(tmp_path, model, train_data, [StepCounter()])
+    counter, added = StepCounter(), epoch_counter
+    with pytest.warns(
+        ServiceStateWarning, match=r"no state for installed service\(s\) \['epoch_counter'\]"
+    ):
+        _resume(tmp_path, train_data, [counter, added])
+    assert counter.count_at_train_begin == 6 and counter.count == TOTAL_STEPS
+    assert added.loaded is None
+    assert added.epochs == 1  # fresh: only the epoch the resumed run finished
+
+
+def test_resume_without_a_service_keeps_its_state_in_the_next_checkpoint(
+    tmp_path, model, train_data, epoch_counter
+):
+    checkpoint = _save_at_step_6(tmp_path, model, train_data, [StepCounter(), epoch_counter])
+    saved = torch.load(checkpoint / STATE_FILE, weights_only=True)
+    assert saved == {"step_counter": {"count": 6}, "epoch_counter": {"epochs": 1}}
+    counter = StepCounter()
+    with pytest.warns(ServiceStateWarning, match=r"state for service\(s\) \['epoch_counter'\]"):
+        _resume(tmp_path, train_data, [counter])
+    assert counter.count == TOTAL_STEPS
+    final = torch.load(
+        tmp_path / "out" / f"checkpoint-{TOTAL_STEPS}" / STATE_FILE, weights_only=True
+    )
+    assert final == {
+        "step_counter": {"count": TOTAL_STEPS},
+        "epoch_counter": {"epochs": 1},  # not installed in the resumed run, kept as it was
+    }
+
+
+@pytest.mark.parametrize("sakura_trainer", [False, True], ids=["stock", "sakura_trainer"])
+@pytest.mark.parametrize("saved_with_epoch_counter", [False, True], ids=["added", "removed"])
+def test_strict_resume_rejects_a_changed_service_list(
+    tmp_path, model, train_data, epoch_counter, sakura_trainer, saved_with_epoch_counter
+):
+    first = [StepCounter(), epoch_counter] if saved_with_epoch_counter else [StepCounter()]
+    _save_at_step_6(tmp_path, model, train_data, first)
+    counter = StepCounter()
+    second = [counter] if saved_with_epoch_counter else [counter, type(epoch_counter)()]
+    with pytest.raises(ServiceStateError, match="epoch_counter"):
+        _resume(tmp_path, train_data, second, sakura_trainer=sakura_trainer, strict_resume=True)
+    assert counter.count_at_train_begin is None  # stopped before training started
+
+
 # --- bad input ----------------------------------------------------------------------------------
 
 
@@ -790,6 +867,12 @@ def test_bad_input(tmp_path, model, train_data):
         SakuraTrainer(model=model, args=args)
     with pytest.raises(TypeError, match="pass an instance"):
         SakuraTrainer(model=model, args=args, callbacks=[HFAdapter])
+    with pytest.raises(
+        OptionError, match=r"HFAdapter: strict_resume=1 is not accepted; accepted: True or False"
+    ):
+        HFAdapter(SakuraRuntime(), strict_resume=1)  # type: ignore[arg-type]
+    with pytest.raises(OptionError, match=r"SakuraTrainer: strict_resume='no' is not accepted"):
+        SakuraTrainer(model=model, args=args, runtime=SakuraRuntime(), strict_resume="no")
     with pytest.raises(ValueError, match="different SakuraRuntimes"):
         SakuraTrainer(
             model=model, args=args, runtime=SakuraRuntime(), callbacks=[HFAdapter(SakuraRuntime())]

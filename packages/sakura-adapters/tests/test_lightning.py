@@ -13,6 +13,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import sakura
 from sakura import OnError, OnOptimizerStep, SakuraRuntime, Service
+from sakura.options import OptionError
+from sakura.resume import ServiceStateError, ServiceStateWarning
 from sakura.testing import RecordingService
 
 pl = pytest.importorskip("lightning.pytorch")
@@ -81,8 +83,9 @@ def trainer(rt: SakuraRuntime, tmp_path: Path, **kwargs: Any) -> Any:
         accelerator="cpu",
         devices=1,
     )
+    strict_resume = kwargs.pop("strict_resume", False)
     options.update(kwargs)
-    callbacks = [LightningAdapter(rt), *options.pop("callbacks", [])]
+    callbacks = [LightningAdapter(rt, strict_resume=strict_resume), *options.pop("callbacks", [])]
     return pl.Trainer(callbacks=callbacks, **options)
 
 
@@ -199,6 +202,86 @@ def test_resume_restores_service_state(tmp_path: Path, step_counter: Any) -> Non
         trainer(rt, tmp_path, max_epochs=2).fit(TinyModule(), loader(), ckpt_path=str(ckpt))
     assert resumed.loaded == STEPS_PER_EPOCH
     assert resumed.count == 2 * STEPS_PER_EPOCH
+
+
+def _fit_one_epoch(tmp_path: Path, services: list[Any]) -> Path:
+    with SakuraRuntime(services, strict=True) as rt:
+        trainer(rt, tmp_path / "first", max_epochs=1).fit(TinyModule(), loader())
+    [ckpt] = list((tmp_path / "first").rglob("*.ckpt"))
+    return ckpt
+
+
+# Each run writes its own checkpoint folder; Lightning says so when resuming.
+_NEW_DIRPATH = "ignore:The dirpath has changed"
+
+
+@pytest.mark.filterwarnings(_NEW_DIRPATH)
+def test_resume_with_an_added_service_starts_it_fresh(
+    tmp_path: Path, step_counter: Any, epoch_counter: Any
+) -> None:
+    ckpt = _fit_one_epoch(tmp_path, [step_counter])
+    resumed, added = type(step_counter)(), type(epoch_counter)()
+    with (
+        pytest.warns(
+            ServiceStateWarning, match=r"no state for installed service\(s\) \['epoch_counter'\]"
+        ),
+        SakuraRuntime([resumed, added], strict=True) as rt,
+    ):
+        trainer(rt, tmp_path / "second", max_epochs=2).fit(
+            TinyModule(), loader(), ckpt_path=str(ckpt)
+        )
+    assert resumed.loaded == STEPS_PER_EPOCH and resumed.count == 2 * STEPS_PER_EPOCH
+    assert added.loaded is None and added.epochs == 1  # fresh: only the epoch after resuming
+
+
+@pytest.mark.filterwarnings(_NEW_DIRPATH)
+def test_resume_without_a_service_keeps_its_state_in_the_next_checkpoint(
+    tmp_path: Path, step_counter: Any, epoch_counter: Any
+) -> None:
+    ckpt = _fit_one_epoch(tmp_path, [step_counter, epoch_counter])
+    assert torch.load(ckpt, weights_only=True)["sakura"]["epoch_counter"] == {"epochs": 1}
+    resumed = type(step_counter)()
+    with (
+        pytest.warns(ServiceStateWarning, match=r"state for service\(s\) \['epoch_counter'\]"),
+        SakuraRuntime([resumed], strict=True) as rt,
+    ):
+        trainer(rt, tmp_path / "second", max_epochs=2).fit(
+            TinyModule(), loader(), ckpt_path=str(ckpt)
+        )
+    [latest] = list((tmp_path / "second").rglob("*.ckpt"))
+    assert torch.load(latest, weights_only=True)["sakura"] == {
+        "step_counter": {"count": 2 * STEPS_PER_EPOCH},
+        "epoch_counter": {"epochs": 1},  # not installed in this run, kept as it was
+    }
+
+
+@pytest.mark.parametrize("saved_with_epoch_counter", [False, True])
+def test_strict_resume_rejects_a_changed_service_list(
+    tmp_path: Path, step_counter: Any, epoch_counter: Any, saved_with_epoch_counter: bool
+) -> None:
+    first = [step_counter, epoch_counter] if saved_with_epoch_counter else [step_counter]
+    ckpt = _fit_one_epoch(tmp_path, first)
+    second = (
+        [type(step_counter)()]
+        if saved_with_epoch_counter
+        else [type(step_counter)(), type(epoch_counter)()]
+    )
+    with (
+        pytest.raises(ServiceStateError, match="epoch_counter"),
+        SakuraRuntime(second, strict=True) as rt,
+    ):
+        trainer(rt, tmp_path / "second", max_epochs=2, strict_resume=True).fit(
+            TinyModule(), loader(), ckpt_path=str(ckpt)
+        )
+    assert second[0].loaded is None  # nothing was loaded before the error
+
+
+def test_strict_resume_is_validated() -> None:
+    with pytest.raises(
+        OptionError,
+        match=r"LightningAdapter: strict_resume='yes' is not accepted; accepted: True or False",
+    ):
+        LightningAdapter(SakuraRuntime(), strict_resume="yes")  # type: ignore[arg-type]
 
 
 def test_handler_exception_does_not_stop_training(

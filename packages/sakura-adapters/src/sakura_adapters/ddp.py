@@ -25,15 +25,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from sakura import events as ev
+from sakura.options import check_bool, check_int, option_error
 from sakura.runtime import SakuraRuntime
 
 __all__ = ["DDPAdapter"]
 
+_OWNER = "DDPAdapter"
+
 
 def _int(option: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{option} must be an int >= {minimum}, got {value!r}")
-    return value
+    return int(check_int(option, value, minimum=minimum, owner=_OWNER))
 
 
 class DDPAdapter:
@@ -41,10 +42,20 @@ class DDPAdapter:
 
     ``rank``/``world_size`` default to the initialised process group's, else the
     runtime's.  They are written to the runtime, so every event carries them.
+
+    ``strict_resume`` is the default of :meth:`on_load_checkpoint`'s ``strict``: whether a
+    checkpoint whose services' state does not match the installed services is an error
+    (False: a new stateful service starts fresh with a warning, state of a service no
+    longer installed is kept and saved again; see :mod:`sakura.resume`).
     """
 
     def __init__(
-        self, rt: SakuraRuntime, *, rank: int | None = None, world_size: int | None = None
+        self,
+        rt: SakuraRuntime,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        strict_resume: bool = False,
     ) -> None:
         if not isinstance(rt, SakuraRuntime):
             raise TypeError(f"rt must be a sakura.SakuraRuntime, got {type(rt).__name__}")
@@ -57,7 +68,10 @@ class DDPAdapter:
         rank = rt.rank if rank is None else _int("rank", rank, 0)
         world_size = rt.world_size if world_size is None else _int("world_size", world_size, 1)
         if rank >= world_size:
-            raise ValueError(f"rank must be in [0, world_size={world_size}), got rank={rank}")
+            raise option_error(
+                "rank", rank, f"an int in [0, world_size={world_size})", owner=_OWNER
+            )
+        self.strict_resume = check_bool("strict_resume", strict_resume, owner=_OWNER)
         self.rt = rt
         rt.rank, rt.world_size = rank, world_size
         self.global_step = 0
@@ -235,13 +249,18 @@ class DDPAdapter:
         path: str | None = None,
         model: Any = None,
         *,
-        strict: bool = True,
+        strict: bool | None = None,
     ) -> None:
         """Restore the services' state from ``checkpoint["sakura"]`` and emit
-        OnLoadCheckpoint; the step counter resumes from ``checkpoint["global_step"]``."""
-        state = checkpoint.get("sakura")
-        if state is not None:
-            self.rt.load_state_dict(state, strict=strict)
+        OnLoadCheckpoint; the step counter resumes from ``checkpoint["global_step"]``.
+
+        ``strict`` (default: the adapter's ``strict_resume``) is passed to
+        ``rt.load_state_dict``.  A checkpoint without a ``"sakura"`` entry leaves every
+        stateful service fresh (a warning; an error when strict)."""
+        strict = (
+            self.strict_resume if strict is None else check_bool("strict", strict, owner=_OWNER)
+        )
+        self.rt.load_state_dict(checkpoint.get("sakura") or {}, strict=strict)
         if "global_step" in checkpoint:
             self.global_step = _int("checkpoint['global_step']", checkpoint["global_step"], 0)
         self._emit(

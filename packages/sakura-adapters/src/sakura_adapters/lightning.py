@@ -38,6 +38,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 from sakura import events as ev
+from sakura.options import check_bool
 from sakura.runtime import SakuraRuntime
 
 __all__ = ["CHECKPOINT_KEY", "LightningAdapter", "SakuraPrecision"]
@@ -217,11 +218,19 @@ class LightningAdapter(Callback):
     adapter installs :class:`SakuraPrecision` around the Trainer's precision plugin so
     services that own part of the step take effect.  A Trainer precision setting that
     would conflict with a service that also controls precision is an error at setup.
+
+    ``strict_resume``: when resuming (``trainer.fit(..., ckpt_path=...)``), whether a
+    checkpoint whose services' state does not match the installed services is an error.
+    By default (False) a newly installed stateful service starts fresh with a warning and
+    the state of a service that is no longer installed is kept and saved again in the
+    next checkpoint (see :mod:`sakura.resume`); True raises
+    :class:`~sakura.resume.ServiceStateError` instead.
     """
 
-    def __init__(self, rt: SakuraRuntime) -> None:
+    def __init__(self, rt: SakuraRuntime, *, strict_resume: bool = False) -> None:
         super().__init__()
         self.rt = _check_runtime(rt)
+        self.strict_resume = check_bool("strict_resume", strict_resume, owner="LightningAdapter")
         self._last_loss: Any = None
 
     @property
@@ -514,9 +523,9 @@ class LightningAdapter(Callback):
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        state = checkpoint.get(CHECKPOINT_KEY)
-        if state is not None:
-            self.rt.load_state_dict(state)
+        # A checkpoint written without the adapter has no entry: every stateful service
+        # then starts fresh (a warning, or an error with strict_resume).
+        self.rt.load_state_dict(checkpoint.get(CHECKPOINT_KEY) or {}, strict=self.strict_resume)
         self._emit(
             ev.OnLoadCheckpoint,
             trainer,

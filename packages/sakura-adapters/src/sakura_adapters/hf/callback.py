@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from transformers import TrainerCallback
 
 from sakura import events as ev
+from sakura.options import check_bool
 from sakura.runtime import SakuraRuntime
 from sakura_adapters.hf.checks import (
     check_runtime,
@@ -47,11 +48,18 @@ class HFAdapter(TrainerCallback):
     its start with :class:`SakuraTrainerRequired`, naming the service.  A sakura service
     that controls precision together with the Trainer's own ``fp16``/``bf16`` is a
     ValueError.
+
+    ``strict_resume``: when resuming, whether a checkpoint whose services' state does not
+    match the installed services is an error.  By default (False) a newly installed
+    stateful service starts fresh with a warning and the state of a service that is no
+    longer installed is kept and saved again in the next checkpoint (see
+    :mod:`sakura.resume`); True raises :class:`~sakura.resume.ServiceStateError` instead.
     """
 
-    def __init__(self, rt: SakuraRuntime) -> None:
+    def __init__(self, rt: SakuraRuntime, *, strict_resume: bool = False) -> None:
         super().__init__()
         self.rt = check_runtime(rt, "HFAdapter(rt=...)")
+        self.strict_resume = check_bool("strict_resume", strict_resume, owner="HFAdapter")
         self._trainer_ref: Callable[[], Any] | None = None
         self._epoch = 0
         self._batch_idx = 0
@@ -90,7 +98,7 @@ class HFAdapter(TrainerCallback):
             path, self._resume_path = self._resume_path, None
         else:
             path = find_checkpoint(self.rt, args, state)
-        if path is not None and load_state(self.rt, path, strict=True):
+        if path is not None and load_state(self.rt, path, strict=self.strict_resume):
             self._emit(ev.OnLoadCheckpoint, state, model=model, checkpoint=None, path=path)
 
     def _add_loss(self, loss: Any) -> None:

@@ -15,7 +15,9 @@ from typing import Any
 import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from sakura.errors import add_note
 from sakura.fileio import atomic_writer
+from sakura.resume import ServiceStateError
 from sakura.runtime import SakuraRuntime
 
 __all__ = ["STATE_FILE", "checkpoint_dir", "find_checkpoint", "load_state", "save_state"]
@@ -80,14 +82,24 @@ def find_checkpoint(rt: SakuraRuntime, args: Any, state: Any) -> str | None:
 
 def load_state(rt: SakuraRuntime, path: str, *, strict: bool) -> bool:
     """Give the services their state from the checkpoint folder ``path``; False when the
-    folder holds no state file (then the stateful services start fresh, with a warning).
+    folder holds no state file.
 
-    ``strict`` is passed to ``rt.load_state_dict``: whether state for a service that is not
-    installed, or no state for an installed one, is an error.
+    ``strict`` is passed to ``rt.load_state_dict``.  Without it (the default of the
+    adapters) an installed stateful service that the checkpoint has no state for starts
+    fresh with a warning, and state for a service that is not installed is kept and saved
+    again (see :mod:`sakura.resume`); with it either case is a
+    :class:`~sakura.resume.ServiceStateError`, also when the folder holds no state file at
+    all while stateful services are installed.
     """
     file = os.path.join(path, state_file_name(rt.rank, rt.world_size))
     if not os.path.isfile(file):
         stateful = rt.implements("load_state_dict")
+        if stateful and strict:
+            try:
+                rt.load_state_dict({}, strict=True)
+            except ServiceStateError as exc:
+                add_note(exc, f"the checkpoint {path} holds no {os.path.basename(file)}")
+                raise
         if stateful:
             logger.warning(
                 "sakura: the checkpoint %s holds no %s; services %s start with fresh state",

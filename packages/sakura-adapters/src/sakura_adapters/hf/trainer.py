@@ -15,6 +15,7 @@ from transformers import Trainer
 from transformers.trainer_utils import get_last_checkpoint
 
 from sakura import events as ev
+from sakura.options import check_bool
 from sakura.runtime import SakuraRuntime
 from sakura_adapters.hf.callback import HFAdapter
 from sakura_adapters.hf.checks import check_runtime, check_single_compiler, is_compiled
@@ -25,7 +26,9 @@ __all__ = ["SakuraTrainer"]
 _TRAINER_INIT = inspect.signature(Trainer.__init__)
 
 
-def _adapter_in(callbacks: list[Any], runtime: SakuraRuntime | None) -> HFAdapter:
+def _adapter_in(
+    callbacks: list[Any], runtime: SakuraRuntime | None, strict_resume: bool | None
+) -> HFAdapter:
     """The one HFAdapter instance in ``callbacks``, checked against ``runtime``; appended
     to ``callbacks`` when there is none."""
     for cb in callbacks:
@@ -46,7 +49,7 @@ def _adapter_in(callbacks: list[Any], runtime: SakuraRuntime | None) -> HFAdapte
         return adapters[0]
     check_runtime(runtime, "SakuraTrainer(runtime=...)")
     if not adapters:
-        adapter = HFAdapter(runtime)
+        adapter = HFAdapter(runtime, strict_resume=bool(strict_resume))
         callbacks.append(adapter)
         return adapter
     if adapters[0].rt is not runtime:
@@ -83,21 +86,34 @@ class SakuraTrainer(Trainer):
     services' optimizer and steps it itself only when no service owned the step.  Services
     always receive the optimizer ``rt.wrap_optimizer`` returned, never accelerate's wrapper.
 
+    ``strict_resume`` (``None``: the HFAdapter's setting, False for the one SakuraTrainer
+    adds): see :class:`HFAdapter`; a bool given here applies to the adapter.
+
     Resume: ``train(resume_from_checkpoint=...)`` tells the adapter the folder (``True``
     resolves to the last checkpoint in ``output_dir`` as the Trainer does); the services'
     state is loaded from it when training starts, after the Trainer restored the model,
     optimizer and scheduler and before ``OnFitBegin``, followed by ``OnLoadCheckpoint``.
     """
 
-    def __init__(self, *args: Any, runtime: SakuraRuntime | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        runtime: SakuraRuntime | None = None,
+        strict_resume: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
         try:
             bound = _TRAINER_INIT.bind(self, *args, **kwargs)
         except TypeError as exc:
             raise TypeError(
                 f"SakuraTrainer takes transformers.Trainer's arguments: {exc}"
             ) from None
+        if strict_resume is not None:
+            check_bool("strict_resume", strict_resume, owner="SakuraTrainer")
         callbacks = list(bound.arguments.get("callbacks") or [])
-        adapter = _adapter_in(callbacks, runtime)
+        adapter = _adapter_in(callbacks, runtime, strict_resume)
+        if strict_resume is not None:
+            adapter.strict_resume = strict_resume
         bound.arguments["callbacks"] = callbacks
         self.runtime: SakuraRuntime = adapter.rt
         self.sakura_adapter: HFAdapter = adapter
