@@ -16,11 +16,10 @@ pytest.importorskip(
     reason="ClusterDispatcher needs Dask distributed: pip install 'sakura-async[dask]'",
 )
 
-from sakura_async import AsyncEval
-from sakura_async.dispatch import ClusterDispatcher
-
 from sakura import OnValidationEnd, SakuraRuntime
 from sakura.testing import RecordingService
+from sakura_async import AsyncEval
+from sakura_async.dispatch import ClusterDispatcher
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -70,7 +69,15 @@ def test_a_function_the_worker_cannot_import_fails_its_task_not_the_worker(
 def test_async_eval_on_the_cluster_is_exact(world: Any, cluster: ClusterDispatcher) -> None:
     rec = RecordingService(event_types={OnValidationEnd})
     with SakuraRuntime([rec], strict=True) as rt:
-        rt.install(AsyncEval(world.eval_fn, world.val_payload(), dispatcher=cluster, max_pending=2))
+        rt.install(
+            AsyncEval(
+                world.eval_fn,
+                world.val_payload(),
+                dispatcher=cluster,
+                max_pending=2,
+                pass_task=True,
+            )
+        )
         _, reference = world.train(rt, epochs=3)
     assert [(e.epoch, dict(e.metrics)) for e in rec.of(OnValidationEnd)] == list(
         enumerate(reference)

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
+from typing import Any
 
 import pytest
-from sakura_async.dispatch import InThreadDispatcher, ThreadDispatcher
-from sakura_async.errors import DispatcherClosed
+
+from sakura_async.dispatch import Dispatcher, InThreadDispatcher, TaskFuture, ThreadDispatcher
+from sakura_async.dispatch.resolve import resolve_dispatcher
+from sakura_async.errors import DispatcherClosedError, TaskTimeoutError
 
 
 def add(a: int, b: int = 0) -> int:
@@ -84,7 +89,7 @@ def test_close_rejects_new_work_and_is_idempotent() -> None:
     assert d.submit(add, 1).result(timeout=10) == 1
     d.close()
     d.close()
-    with pytest.raises(DispatcherClosed, match="closed"):
+    with pytest.raises(DispatcherClosedError, match="closed"):
         d.submit(add, 1)
 
 
@@ -95,7 +100,7 @@ def test_close_without_wait_fails_unfinished_futures() -> None:
     queued = d.submit(add, 1)
     time.sleep(0.05)
     d.close(wait=False)
-    with pytest.raises(DispatcherClosed):
+    with pytest.raises(DispatcherClosedError):
         queued.result(timeout=10)
     release.set()
     assert running.done()
@@ -104,9 +109,21 @@ def test_close_without_wait_fails_unfinished_futures() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"max_pending": 0}, "max_pending must be an int >= 1, got 0"),
-        ({"max_pending": "2"}, "max_pending must be an int >= 1, got '2'"),
-        ({"threads": 0}, "threads must be an int >= 1, got 0"),
+        (
+            {"max_pending": 0},
+            "ThreadDispatcher: max_pending=0 is not accepted; accepted: an int >= 1",
+        ),
+        ({"max_pending": "2"}, "max_pending='2' is not accepted; accepted: an int >= 1"),
+        ({"threads": 0}, "threads=0 is not accepted; accepted: an int >= 1"),
+        (
+            {"task_timeout": 0},
+            "task_timeout=0 is not accepted; accepted: a finite number > 0 or None",
+        ),
+        ({"task_timeout": "1h"}, "task_timeout='1h' is not accepted"),
+        (
+            {"interrupt_grace": -1},
+            "interrupt_grace=-1 is not accepted; accepted: a finite number >= 0",
+        ),
     ],
 )
 def test_options_are_validated(kwargs: dict, match: str) -> None:
@@ -124,3 +141,96 @@ def test_facade_names_resolve() -> None:
 
     assert sakura.dispatch.InThreadDispatcher is InThreadDispatcher
     assert sakura.dispatch.ThreadDispatcher is ThreadDispatcher
+
+
+# --- no caller waits forever ---------------------------------------------------------------
+
+
+def test_a_task_that_never_returns_fails_with_a_timeout_naming_it() -> None:
+    stuck = threading.Event()
+    d = ThreadDispatcher(task_timeout=0.5)
+    hung = d.submit(stuck.wait)  # never set: the call never returns
+    with pytest.raises(
+        TaskTimeoutError,
+        match=r"task #\d+ \(Event.wait\) did not finish within "
+        r"task_timeout=0.5 s",
+    ) as info:
+        hung.result(timeout=60)  # a hang detector, not a timing assertion
+    assert isinstance(info.value, TimeoutError)
+    # The stuck thread is retired: the next task runs on a fresh one.
+    assert d.submit(add, 2, b=2).result(timeout=60) == 4
+    d.close(wait=False)
+    stuck.set()
+
+
+def test_close_without_wait_returns_promptly_with_a_stuck_task() -> None:
+    stuck = threading.Event()
+    d = ThreadDispatcher(task_timeout=None)
+    hung = d.submit(stuck.wait)
+    closer = threading.Thread(target=d.close, kwargs={"wait": False})
+    closer.start()
+    closer.join(timeout=30)  # a hang detector
+    assert not closer.is_alive()
+    with pytest.raises(DispatcherClosedError, match="closed before task"):
+        hung.result(timeout=0)
+    stuck.set()
+
+
+STUCK_AT_EXIT = """
+import threading, sys
+from sakura_async.dispatch import ThreadDispatcher
+d = ThreadDispatcher(task_timeout=1)
+d.submit(threading.Event().wait)   # never returns
+print("submitted", flush=True)
+"""
+
+
+def test_a_stuck_thread_task_does_not_keep_the_interpreter_from_exiting() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", STUCK_AT_EXIT], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "submitted" in done.stdout
+
+
+def test_the_public_extension_contract() -> None:
+    f = TaskFuture("custom", "job")
+    f.mark_submitted()
+    assert f.timings.blocked_s is not None
+    assert f.settle(result=7, run_s=0.25) is True
+    assert f.settle(error=ValueError("late")) is False  # the first outcome wins
+    assert f.result(timeout=0) == 7 and f.timings.run_s == 0.25
+    g = TaskFuture("custom", "job")
+    g.set_exception(KeyError("x"), run_s=0.5)
+    assert isinstance(g.exception(timeout=0), KeyError) and g.timings.run_s == 0.5
+
+
+def test_the_private_names_of_0_1_still_work_and_warn() -> None:
+    f = TaskFuture("custom")
+    with pytest.warns(DeprecationWarning, match="use mark_submitted"):
+        f._mark_submitted()
+    with pytest.warns(DeprecationWarning, match="use settle"):
+        f._finish(result=1)
+    assert f.result(0) == 1
+    with pytest.warns(DeprecationWarning, match="use DispatcherClosedError"):
+        from sakura_async.errors import DispatcherClosed
+    assert DispatcherClosed is DispatcherClosedError
+
+    with pytest.warns(DeprecationWarning, match="rename it to start_task"):
+
+        class Old(Dispatcher):
+            def _submit(self, future: Any, fn: Any, args: Any, kwargs: Any) -> None:
+                future.settle(result=fn(*args, **kwargs))
+
+    assert Old().submit(add, 1, b=1).result(timeout=10) == 2
+
+
+def test_resolve_marks_built_dispatchers_owned_by_the_service() -> None:
+    built, owned = resolve_dispatcher(None)
+    assert owned and built.owned_by_service
+    mine = ThreadDispatcher()
+    assert resolve_dispatcher(mine) == (mine, False)
+    mine.owned_by_service = True
+    assert resolve_dispatcher(mine) == (mine, True)
+    for d in (built, mine):
+        d.close()

@@ -16,12 +16,18 @@ import cloudpickle
 import psutil
 import pytest
 import torch
-from sakura_async import AsyncCheckpoint, AsyncEval, EvalTask, load_latest
-from sakura_async.dispatch import LocalDispatcher
-from sakura_async.errors import WorkerCrashed
 
 from sakura import OnError, OnValidationEnd, SakuraRuntime
 from sakura.testing import RecordingService
+from sakura_async import AsyncCheckpoint, AsyncEval, EvalTask, load_latest
+from sakura_async.dispatch import LocalDispatcher
+from sakura_async.errors import (
+    DispatcherClosedError,
+    RemoteTaskError,
+    TaskTimeoutError,
+    WorkerCrashedError,
+    WorkerUnresponsiveError,
+)
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -98,7 +104,7 @@ def test_async_eval_gives_exactly_the_synchronous_metrics(
 ) -> None:
     rec = RecordingService(event_types={OnValidationEnd, OnError})
     with SakuraRuntime([rec], strict=True) as rt:
-        rt.install(AsyncEval(world.eval_fn, world.val_payload(), dispatcher=local))
+        rt.install(AsyncEval(world.eval_fn, world.val_payload(), dispatcher=local, pass_task=True))
         _, reference = world.train(rt, epochs=3)
     assert [dict(e.metrics) for e in rec.of(OnValidationEnd)] == reference  # bit-identical
     assert rec.of(OnError) == []
@@ -142,12 +148,14 @@ def test_killing_the_worker_mid_task_fails_the_task_and_the_next_one_gets_a_new_
     before = worker_children()
     rec = RecordingService(event_types={OnValidationEnd, OnError})
     with LocalDispatcher(threads=1) as dispatcher, SakuraRuntime([rec]) as rt:
-        ae = rt.install(AsyncEval(eval_fn, world.val_payload(), dispatcher=dispatcher))
+        ae = rt.install(
+            AsyncEval(eval_fn, world.val_payload(), dispatcher=dispatcher, pass_task=True)
+        )
         _, reference = world.train(rt, epochs=3, after_epoch=after_epoch)
         assert dispatcher.workers_started == 2
         new_pid = dispatcher.worker_pid
     (error,) = rec.of(OnError)
-    assert isinstance(error.exception, WorkerCrashed) and error.source == "async_eval"
+    assert isinstance(error.exception, WorkerCrashedError) and error.source == "async_eval"
     assert "killed by SIGKILL" in str(error.exception) and error.epoch == 1
     assert [(e.epoch, dict(e.metrics)) for e in rec.of(OnValidationEnd)] == [
         (0, reference[0]),
@@ -188,9 +196,93 @@ def test_the_worker_dies_with_its_parent() -> None:
 
 
 def test_options_are_validated() -> None:
-    with pytest.raises(ValueError, match="threads must be an int >= 1 or None, got 0"):
+    with pytest.raises(
+        ValueError,
+        match="LocalDispatcher: threads=0 is not accepted; accepted: an int >= 1 or None",
+    ):
         LocalDispatcher(threads=0)
-    with pytest.raises(ValueError, match="start_timeout must be"):
+    with pytest.raises(ValueError, match="start_timeout=0 is not accepted"):
         LocalDispatcher(start_timeout=0)
+    with pytest.raises(ValueError, match="liveness_timeout=0 is not accepted"):
+        LocalDispatcher(liveness_timeout=0)
+    with pytest.raises(ValueError, match="task_timeout=-1 is not accepted"):
+        LocalDispatcher(task_timeout=-1)
+    with pytest.raises(ValueError, match="max_frame_bytes=1 is not accepted"):
+        LocalDispatcher(max_frame_bytes=1)
     with pytest.raises(TypeError, match="env must be a mapping"):
         LocalDispatcher(env={"A": 1})  # type: ignore[dict-item]
+
+
+# --- no caller waits forever ---------------------------------------------------------------
+
+
+def sleep_then(seconds: float, value: Any) -> Any:
+    time.sleep(seconds)
+    return value
+
+
+def report_pid_and_sleep(path: str, seconds: float) -> None:
+    Path(path).write_text(str(os.getpid()))
+    time.sleep(seconds)
+
+
+def test_a_task_over_its_timeout_fails_and_its_worker_is_replaced(tmp_path: Path) -> None:
+    with LocalDispatcher(threads=1, task_timeout=3) as d:
+        d.wait_ready()
+        first = d.worker_pid
+        hung = d.submit(sleep_then, 600, "never")
+        with pytest.raises(
+            TaskTimeoutError, match=r"\(sleep_then\) did not finish within task_timeout=3 s"
+        ):
+            hung.result(timeout=120)  # a hang detector
+        assert d.submit(sleep_then, 0, 5).result(timeout=120) == 5
+        assert d.workers_started == 2 and d.worker_pid != first
+    assert not psutil.pid_exists(first) or psutil.Process(first).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_stopped_worker_is_detected_by_its_missing_heartbeat(tmp_path: Path) -> None:
+    marker = tmp_path / "pid"
+    with LocalDispatcher(threads=1, liveness_timeout=3, task_timeout=None) as d:
+        future = d.submit(report_pid_and_sleep, str(marker), 600)
+        deadline = time.monotonic() + 120
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pid = int(marker.read_text())
+        os.kill(pid, signal.SIGSTOP)
+        with pytest.raises(WorkerUnresponsiveError, match="not even a heartbeat"):
+            future.result(timeout=120)  # a hang detector
+        assert d.submit(sleep_then, 0, "fresh").result(timeout=120) == "fresh"
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+class ExitsWhenUnpickled:
+    def __reduce__(self) -> Any:
+        return (sys.exit, ("unpickling this result calls sys.exit",))
+
+
+def returns_a_result_that_exits_when_unpickled() -> Any:
+    return ExitsWhenUnpickled()
+
+
+def test_a_result_whose_unpickling_raises_system_exit_fails_its_task(
+    local: LocalDispatcher,
+) -> None:
+    future = local.submit(returns_a_result_that_exits_when_unpickled)
+    with pytest.raises(RemoteTaskError, match="could not be unpickled: SystemExit"):
+        future.result(timeout=120)  # a hang detector
+    assert local.submit(sleep_then, 0, 1).result(timeout=120) == 1  # the reader lives on
+
+
+def test_close_without_wait_fails_pending_tasks_with_dispatcher_closed() -> None:
+    d = LocalDispatcher(threads=1, max_pending=3)
+    running = d.submit(sleep_then, 600, "never")
+    queued = d.submit(sleep_then, 0, "queued")
+    pid = d.worker_pid
+    d.close(wait=False)
+    for future in (running, queued):
+        with pytest.raises(DispatcherClosedError, match="closed before task"):
+            future.result(timeout=60)
+    assert pid is not None
+    proc = psutil.Process(pid) if psutil.pid_exists(pid) else None
+    if proc is not None:
+        proc.wait(timeout=60)  # killed, not left running the stuck task

@@ -25,13 +25,13 @@ from cryptography import x509  # noqa: E402
 from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
 from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
 from cryptography.x509.oid import NameOID  # noqa: E402
+
+from sakura import OnValidationEnd, SakuraRuntime  # noqa: E402
+from sakura.testing import RecordingService  # noqa: E402
 from sakura_async import AsyncEval  # noqa: E402
 from sakura_async.dispatch import RemoteDispatcher  # noqa: E402
 from sakura_async.errors import AuthenticationError  # noqa: E402
 from sakura_async.worker import main as worker_main  # noqa: E402
-
-from sakura import OnValidationEnd, SakuraRuntime  # noqa: E402
-from sakura.testing import RecordingService  # noqa: E402
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -130,7 +130,9 @@ def test_async_eval_over_the_remote_worker_is_exact(world: Any, server: dict[str
         uri=server["uri"], token=TOKEN, cert_sha256=hashlib.sha256(server["der"]).hexdigest()
     )
     with dispatcher, SakuraRuntime([rec], strict=True) as rt:
-        rt.install(AsyncEval(world.eval_fn, world.val_payload(), dispatcher=dispatcher))
+        rt.install(
+            AsyncEval(world.eval_fn, world.val_payload(), dispatcher=dispatcher, pass_task=True)
+        )
         _, reference = world.train(rt, epochs=2)
     assert [dict(e.metrics) for e in rec.of(OnValidationEnd)] == reference
 
@@ -141,7 +143,8 @@ def test_a_client_without_the_token_is_rejected(server: dict[str, Any]) -> None:
 
 
 def test_a_client_with_a_wrong_token_is_rejected(server: dict[str, Any]) -> None:
-    with pytest.raises(AuthenticationError, match="refused this client \\(the token is wrong\\)"):
+    # The worker proves the token first: a client with another token refuses the worker.
+    with pytest.raises(AuthenticationError, match="the server failed to prove the shared token"):
         RemoteDispatcher(uri=server["uri"], token="x" * 32, cert_der=server["der"]).start()
 
 
@@ -182,6 +185,9 @@ def test_the_worker_refuses_to_listen_beyond_loopback_without_tls_and_token(
         ({"uri": "tcp://10.1.2.3:1"}, "only allowed to a loopback address"),
         ({"uri": "tls://127.0.0.1:1", "cert_sha256": "zz"}, "64 hex digits"),
         ({"uri": "tcp://127.0.0.1:1", "token": "a", "token_file": "b"}, "not both"),
+        ({"uri": "tcp://127.0.0.1:1", "liveness_timeout": 0}, "liveness_timeout=0 is not accepted"),
+        ({"uri": "tcp://127.0.0.1:1", "max_frame_bytes": 10}, "max_frame_bytes=10 is not accepted"),
+        ({"uri": "tcp://127.0.0.1:1", "connect_timeout": -1}, "connect_timeout=-1 is not accepted"),
     ],
 )
 def test_options_are_validated(kwargs: dict, match: str) -> None:

@@ -1,6 +1,14 @@
-"""Exceptions of sakura-async.  Each message says what failed and what to do about it."""
+"""Exceptions of sakura-async.  Each message says what failed and what to do about it.
+
+``DispatcherClosed`` and ``WorkerCrashed`` are the names of 0.1; they still work (same
+classes) and warn with a DeprecationWarning: use ``DispatcherClosedError`` and
+``WorkerCrashedError``.
+"""
 
 from __future__ import annotations
+
+import warnings
+from typing import Any
 
 from sakura.errors import SakuraError
 
@@ -9,9 +17,13 @@ __all__ = [
     "CheckpointError",
     "CheckpointWriteError",
     "DispatchError",
-    "DispatcherClosed",
+    "DispatcherClosedError",
+    "FrameTooLargeError",
     "RemoteTaskError",
-    "WorkerCrashed",
+    "TaskInterruptedError",
+    "TaskTimeoutError",
+    "WorkerCrashedError",
+    "WorkerUnresponsiveError",
 ]
 
 
@@ -19,11 +31,25 @@ class DispatchError(SakuraError, RuntimeError):
     """Base class of dispatcher failures (the task itself never ran to completion)."""
 
 
-class DispatcherClosed(DispatchError):
-    """``submit`` was called on a dispatcher that was closed."""
+class DispatcherClosedError(DispatchError):
+    """``submit`` was called on a closed dispatcher, or the dispatcher was closed (or
+    abandoned after Ctrl+C) before the task finished."""
 
 
-class WorkerCrashed(DispatchError):
+class TaskInterruptedError(DispatcherClosedError):
+    """The task was abandoned because the program was interrupted (Ctrl+C) and the
+    dispatcher stopped waiting for it."""
+
+
+class TaskTimeoutError(DispatchError, TimeoutError):
+    """The task did not finish within the dispatcher's ``task_timeout``.
+
+    The message names the task, its id and the dispatcher.  Where the task ran in a worker
+    process, that worker is stopped and the next task gets a fresh one.
+    """
+
+
+class WorkerCrashedError(DispatchError):
     """The worker process running the task died (killed, crashed, or its connection broke).
 
     The task's future fails with this error; the dispatcher starts a fresh worker for the
@@ -31,8 +57,18 @@ class WorkerCrashed(DispatchError):
     """
 
 
+class WorkerUnresponsiveError(WorkerCrashedError):
+    """The worker sent no heartbeat within the dispatcher's ``liveness_timeout`` (it is
+    stopped, e.g. by SIGSTOP, or wedged): it is killed and its tasks fail with this."""
+
+
 class AuthenticationError(DispatchError):
     """A remote worker and its client could not authenticate each other."""
+
+
+class FrameTooLargeError(DispatchError):
+    """A message announced a body larger than the receiving side accepts
+    (``max_frame_bytes``); the connection is closed without reading it."""
 
 
 class RemoteTaskError(DispatchError):
@@ -54,3 +90,18 @@ class CheckpointError(SakuraError, RuntimeError):
 class CheckpointWriteError(CheckpointError):
     """One or more asynchronous checkpoint writes failed; raised when the runtime drains
     so that a lost checkpoint never goes unnoticed."""
+
+
+_DEPRECATED = {"DispatcherClosed": DispatcherClosedError, "WorkerCrashed": WorkerCrashedError}
+
+
+def __getattr__(name: str) -> Any:
+    new = _DEPRECATED.get(name)
+    if new is None:
+        raise AttributeError(f"module 'sakura_async.errors' has no attribute {name!r}")
+    warnings.warn(
+        f"sakura_async.errors.{name} is deprecated; use {new.__name__} (the same class)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return new

@@ -6,9 +6,13 @@ Security rules, checked before anything binds:
   (``--token-file``); it refuses to start otherwise.
 * On loopback, a token is still required unless ``--insecure-loopback`` is given.
 
-Each client connection gets a thread: TLS handshake, token challenge
-(:mod:`sakura_async.wire.auth`), then tasks run one after another and their results go
-back.  Tensors travel as raw out-of-band buffers after the compressed pickle.
+Each client connection gets a thread: TLS handshake and mutual token proof
+(:mod:`sakura_async.wire.auth`) within one deadline (``--handshake-timeout``), then tasks
+run one after another and their results go back.  At most ``--max-handshakes`` connections
+may be unauthenticated at once: more are closed on accept, so a flood of idle connections
+cannot exhaust threads or memory.  After authentication a reader thread takes the client's
+messages (bodies of at most ``--max-frame-bytes``) while a heartbeat tells the client the
+worker is alive, also while a long task runs.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import contextlib
 import json
 import logging
 import os
+import queue
 import signal
 import socket
 import ssl
@@ -27,7 +32,7 @@ from typing import Any
 
 from sakura_async.errors import AuthenticationError
 from sakura_async.wire.auth import is_loopback, read_token, server_handshake
-from sakura_async.wire.channel import Channel, ChannelClosed, Kind
+from sakura_async.wire.channel import DEFAULT_MAX_FRAME_BYTES, Channel, ChannelClosedError, Kind
 from sakura_async.wire.serialize import Decoder
 from sakura_async.wire.tasks import run_task
 
@@ -36,6 +41,9 @@ __all__ = ["RemoteWorkerServer", "parse_address", "serve_from_args"]
 logger = logging.getLogger("sakura.async.worker")
 
 HANDSHAKE_TIMEOUT = 15.0
+MAX_HANDSHAKES = 16
+HEARTBEAT_S = 1.0
+_QUEUE = 64
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -46,7 +54,13 @@ def parse_address(text: str) -> tuple[str, int]:
 
 
 class RemoteWorkerServer:
-    """A listening worker.  ``serve_forever`` accepts clients until :meth:`stop`."""
+    """A listening worker.  ``serve_forever`` accepts clients until :meth:`stop`.
+
+    Args:
+        handshake_timeout: seconds for the whole TLS handshake and token proof.
+        max_handshakes: connections allowed to be unauthenticated at once.
+        max_frame_bytes: the largest message accepted from an authenticated client.
+    """
 
     def __init__(
         self,
@@ -58,7 +72,22 @@ class RemoteWorkerServer:
         keyfile: str | None = None,
         insecure_loopback: bool = False,
         threads: int | None = None,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        max_handshakes: int = MAX_HANDSHAKES,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     ) -> None:
+        from sakura.options import check_int, check_number
+
+        owner = "sakura-worker"
+        self.handshake_timeout: float = check_number(
+            "handshake_timeout", handshake_timeout, minimum=0, min_inclusive=False, owner=owner
+        )
+        self.max_handshakes: int = check_int(
+            "max_handshakes", max_handshakes, minimum=1, owner=owner
+        )
+        self.max_frame_bytes: int = check_int(
+            "max_frame_bytes", max_frame_bytes, minimum=1024, owner=owner
+        )
         loopback = is_loopback(host)
         tls = certfile is not None
         if (certfile is None) != (keyfile is None):
@@ -89,6 +118,9 @@ class RemoteWorkerServer:
         self.sock = socket.create_server((host, port), reuse_port=False)
         self.address: tuple[str, int] = self.sock.getsockname()[:2]
         self._stopping = threading.Event()
+        self._handshakes = threading.BoundedSemaphore(self.max_handshakes)
+        self.refused = 0
+        """Connections closed on accept because ``max_handshakes`` were in progress."""
 
     def serve_forever(self) -> None:
         while not self._stopping.is_set():
@@ -98,6 +130,16 @@ class RemoteWorkerServer:
                 if self._stopping.is_set():
                     return
                 raise
+            if not self._handshakes.acquire(blocking=False):
+                self.refused += 1
+                logger.warning(
+                    "sakura-worker: refused %s: %d connections are already authenticating",
+                    peer,
+                    self.max_handshakes,
+                )
+                with contextlib.suppress(OSError):
+                    conn.close()
+                continue
             threading.Thread(
                 target=self._serve_client,
                 args=(conn, peer),
@@ -110,35 +152,85 @@ class RemoteWorkerServer:
         with contextlib.suppress(OSError):
             self.sock.close()
 
-    def _serve_client(self, conn: socket.socket, peer: Any) -> None:
+    def _authenticate(self, conn: socket.socket, peer: Any) -> socket.socket | None:
+        """TLS + token proof under one deadline; the authenticated socket, or None."""
+        # Cut the connection when the deadline passes, wherever the handshake is (the TLS
+        # handshake reads several records, each with its own socket timeout).
+        guard = threading.Timer(self.handshake_timeout, _cut, args=(conn,))
+        guard.daemon = True
+        guard.start()
         try:
-            conn.settimeout(HANDSHAKE_TIMEOUT)
+            conn.settimeout(self.handshake_timeout)
             if self.context is not None:
                 conn = self.context.wrap_socket(conn, server_side=True)
-            server_handshake(conn, self.token)
-            conn.settimeout(None)
-        except (OSError, AuthenticationError, ssl.SSLError) as exc:
+            server_handshake(conn, self.token, timeout=self.handshake_timeout)
+        except (OSError, AuthenticationError, ssl.SSLError, ValueError) as exc:
             logger.warning("sakura-worker: rejected client %s: %s", peer, exc)
             with contextlib.suppress(OSError):
                 conn.close()
+            return None
+        finally:
+            guard.cancel()
+            self._handshakes.release()
+        return conn
+
+    def _serve_client(self, conn: socket.socket, peer: Any) -> None:
+        authenticated = self._authenticate(conn, peer)
+        if authenticated is None:
             return
         import torch
 
-        channel = Channel(conn)
-        info = {"pid": os.getpid(), "python": sys.version.split()[0], "torch": torch.__version__}
+        channel = Channel(authenticated, max_body=self.max_frame_bytes, timeout=None)
+        info = {
+            "pid": os.getpid(),
+            "python": sys.version.split()[0],
+            "torch": torch.__version__,
+            "heartbeat_s": HEARTBEAT_S,
+        }
         decoder = Decoder()
+        tasks: queue.Queue[tuple[int, bytearray] | None] = queue.Queue(_QUEUE)
+        done = threading.Event()
+
+        def read() -> None:
+            try:
+                while True:
+                    kind, task_id, body, _ = channel.recv()
+                    if kind == Kind.TASK:
+                        tasks.put((task_id, body))
+                    elif kind == Kind.SHUTDOWN:
+                        break
+            except ChannelClosedError as exc:
+                logger.info("sakura-worker: client %s gone: %s", peer, exc)
+            finally:
+                tasks.put(None)
+
+        def beat() -> None:
+            while not done.wait(HEARTBEAT_S):
+                try:
+                    channel.send(Kind.HEARTBEAT, 0)
+                except ChannelClosedError:
+                    return
+
         try:
             channel.send(Kind.READY, 0, [json.dumps(info).encode()])
+            threading.Thread(target=read, name=f"sakura-read-{peer}", daemon=True).start()
+            threading.Thread(target=beat, name=f"sakura-beat-{peer}", daemon=True).start()
             while True:
-                kind, task_id, body, _ = channel.recv()
-                if kind == Kind.TASK:
-                    channel.send(Kind.RESULT, task_id, run_task(body, decoder))
-                elif kind == Kind.SHUTDOWN:
+                item = tasks.get()
+                if item is None:
                     break
-        except ChannelClosed:
+                task_id, body = item
+                channel.send(Kind.RESULT, task_id, run_task(body, decoder))
+        except ChannelClosedError:
             pass
         finally:
+            done.set()
             channel.close()
+
+
+def _cut(conn: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        conn.shutdown(socket.SHUT_RDWR)
 
 
 def serve_from_args(args: argparse.Namespace) -> int:
@@ -155,6 +247,9 @@ def serve_from_args(args: argparse.Namespace) -> int:
             keyfile=args.key,
             insecure_loopback=args.insecure_loopback,
             threads=args.threads,
+            handshake_timeout=args.handshake_timeout,
+            max_handshakes=args.max_handshakes,
+            max_frame_bytes=args.max_frame_bytes,
         )
     except (ValueError, PermissionError, OSError, ssl.SSLError) as exc:
         print(f"sakura-worker: {exc}", file=sys.stderr)

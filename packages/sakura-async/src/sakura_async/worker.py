@@ -67,7 +67,18 @@ def _watch_parent(parent: int) -> None:
     threading.Thread(target=poll_ppid, name="sakura-parent-pid", daemon=True).start()
 
 
-def serve_local(fd: int, parent: int, *, pdeathsig: bool, threads: int | None) -> None:
+def serve_local(
+    fd: int,
+    parent: int,
+    *,
+    pdeathsig: bool,
+    threads: int | None,
+    heartbeat: float | None = None,
+    max_frame_bytes: int | None = None,
+) -> None:
+    """Serve the parent: a reader thread takes its messages in order (so the parent's
+    sends never wait for a running task), a heartbeat thread says "alive" every
+    ``heartbeat`` seconds (from before torch is imported), the main thread runs tasks."""
     if pdeathsig:
         _set_parent_death_signal()
     if os.getppid() != parent:  # the parent died before we could arm the signal
@@ -76,25 +87,51 @@ def serve_local(fd: int, parent: int, *, pdeathsig: bool, threads: int | None) -
     _watch_parent(parent)
 
     import mmap
+    import queue
+
+    from sakura_async.wire.channel import DEFAULT_MAX_FRAME_BYTES, Channel, ChannelClosedError, Kind
+
+    channel = Channel(
+        socket.socket(fileno=fd), fds=True, max_body=max_frame_bytes or DEFAULT_MAX_FRAME_BYTES
+    )
+    if heartbeat is not None:
+
+        def beat() -> None:
+            while True:
+                time.sleep(heartbeat)
+                try:
+                    channel.send(Kind.HEARTBEAT, 0)
+                except ChannelClosedError:
+                    os._exit(0)
+
+        threading.Thread(target=beat, name="sakura-heartbeat", daemon=True).start()
 
     import torch
 
-    from sakura_async.wire.channel import Channel, ChannelClosed, Kind
     from sakura_async.wire.serialize import Decoder
     from sakura_async.wire.tasks import run_task
 
     if threads is not None:
         torch.set_num_threads(threads)
-    channel = Channel(socket.socket(fileno=fd), fds=True)
     segments: dict[int, Any] = {}
     decoder = Decoder(segments)
+    inbox: queue.SimpleQueue[tuple[int, int, bytearray, list[int]] | None] = queue.SimpleQueue()
+
+    def read() -> None:
+        try:
+            while True:
+                inbox.put(channel.recv())
+        except ChannelClosedError:
+            inbox.put(None)
+
     info = {"pid": os.getpid(), "python": sys.version.split()[0], "torch": torch.__version__}
     channel.send(Kind.READY, 0, [json.dumps(info).encode()])
+    threading.Thread(target=read, name="sakura-reader", daemon=True).start()
     while True:
-        try:
-            kind, task_id, body, fds = channel.recv()
-        except ChannelClosed:
+        message = inbox.get()
+        if message is None:
             os._exit(0)  # the parent went away
+        kind, task_id, body, fds = message
         if kind == Kind.SEGMENTS:
             described = json.loads(body)
             for (seg_id, size), seg_fd in zip(described, fds, strict=True):
@@ -129,6 +166,25 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="on a loopback address only: serve without TLS and without a token",
     )
     parser.add_argument("--threads", type=int, help="torch.set_num_threads in the worker")
+    parser.add_argument(
+        "--handshake-timeout",
+        type=float,
+        default=15.0,
+        help="seconds a client has for the whole TLS handshake and token proof (15)",
+    )
+    parser.add_argument(
+        "--max-handshakes",
+        type=int,
+        default=16,
+        help="connections that may be authenticating at once; more are refused (16)",
+    )
+    parser.add_argument(
+        "--max-frame-bytes",
+        type=int,
+        default=4 << 30,
+        help="the largest message accepted from an authenticated client (4 GiB)",
+    )
+    parser.add_argument("--heartbeat", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--fd", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--parent", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--pdeathsig", action="store_true", help=argparse.SUPPRESS)
@@ -144,7 +200,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.parent is None:
             print("sakura-worker: --fd needs --parent", file=sys.stderr)
             return 2
-        serve_local(args.fd, args.parent, pdeathsig=args.pdeathsig, threads=args.threads)
+        serve_local(
+            args.fd,
+            args.parent,
+            pdeathsig=args.pdeathsig,
+            threads=args.threads,
+            heartbeat=args.heartbeat,
+            max_frame_bytes=args.max_frame_bytes,
+        )
         return 0
     if args.listen is None:
         print(

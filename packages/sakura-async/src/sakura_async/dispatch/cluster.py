@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from sakura_async._options import check_int
+from sakura.options import check_int
 from sakura_async.dispatch.base import Dispatcher, TaskFuture
 from sakura_async.wire.serialize import Encoder
 
@@ -85,9 +85,11 @@ class ClusterDispatcher(Dispatcher):
                 f"distributed.Client, or None for a local cluster; got {address!r}"
             )
         self.address = address
-        self.n_workers: int = check_int("n_workers", n_workers, minimum=1)
+        self.n_workers: int = check_int(
+            "n_workers", n_workers, minimum=1, owner="ClusterDispatcher"
+        )
         self.threads_per_worker: int = check_int(
-            "threads_per_worker", threads_per_worker, minimum=1
+            "threads_per_worker", threads_per_worker, minimum=1, owner="ClusterDispatcher"
         )
         if not isinstance(processes, bool):
             raise TypeError(f"processes must be a bool, got {processes!r}")
@@ -119,7 +121,7 @@ class ClusterDispatcher(Dispatcher):
             return self._client
 
     def start(self) -> ClusterDispatcher:
-        self._check_open()
+        self.check_open()
         _ = self.client
         return self
 
@@ -150,7 +152,7 @@ class ClusterDispatcher(Dispatcher):
             self._client = distributed.Client(self.address, security=self.security)
         self._owns_client = True
 
-    def _submit(
+    def start_task(
         self,
         future: TaskFuture,
         fn: Callable[..., Any],
@@ -159,13 +161,13 @@ class ClusterDispatcher(Dispatcher):
     ) -> None:
         body = b"".join(bytes(chunk) for chunk in Encoder(placer=None).encode((fn, args, kwargs)))
         dask_future = self.client.submit(_run_encoded, body, pure=False)
-        future._mark_submitted()
+        future.mark_submitted()
 
         def done(f: Any) -> None:
             try:
                 outcome = f.result()
             except BaseException as exc:  # KilledWorker, a cancelled future...
-                future._finish(error=exc)
+                future.settle(error=exc)
                 return
             future._finish_outcome(outcome, "a Dask worker")
 
@@ -175,7 +177,7 @@ class ClusterDispatcher(Dispatcher):
             lambda f: threading.Thread(target=done, args=(f,), daemon=True).start()
         )
 
-    def _close(self, wait: bool) -> None:
+    def close_resources(self, wait: bool) -> None:
         if self._owns_client and self._client is not None:
             self._client.close()
         if self._cluster is not None:

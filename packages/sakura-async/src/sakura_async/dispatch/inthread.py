@@ -15,24 +15,24 @@ class InThreadDispatcher(Dispatcher):
 
     The future is already done when ``submit`` returns; a task's exception is stored in it
     (``KeyboardInterrupt`` propagates).  Use it in tests and to debug a service without
-    concurrency.
+    concurrency.  There is no ``task_timeout``: the caller's own thread runs the task.
     """
 
     kind = "inthread"
 
     def __init__(self, *, max_pending: int = 1) -> None:
-        super().__init__(max_pending=max_pending)
+        super().__init__(max_pending=max_pending, task_timeout=None)
 
-    def _submit(
+    def start_task(
         self,
         future: TaskFuture,
         fn: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> None:
-        future._mark_submitted()
+        future.mark_submitted()
         ok, value, seconds = run_timed(fn, args, kwargs)
         if ok:
-            future._finish(result=value, run_s=seconds)
+            future.settle(result=value, run_s=seconds)
         else:
-            future._finish(error=value, run_s=seconds)
+            future.settle(error=value, run_s=seconds)

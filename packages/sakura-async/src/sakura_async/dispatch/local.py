@@ -9,8 +9,13 @@ snapshot reaches the worker without any copy; other tensors are copied once into
 transient segment reused across tasks.
 
 The worker dies with its parent (see :mod:`sakura_async.worker`).  When it crashes, every
-task it held fails with :class:`~sakura_async.errors.WorkerCrashed` (no caller ever hangs)
-and the next ``submit`` starts a fresh worker.
+task it held fails with :class:`~sakura_async.errors.WorkerCrashedError` (no caller ever
+hangs) and the next ``submit`` starts a fresh worker.  The worker sends a heartbeat
+(``liveness_timeout / 10`` seconds apart) from a thread of its own, also while a task runs:
+a worker silent for ``liveness_timeout`` seconds (stopped with SIGSTOP, wedged) is killed
+and its tasks fail with :class:`~sakura_async.errors.WorkerUnresponsiveError`.  A task that
+exceeds ``task_timeout`` fails with :class:`~sakura_async.errors.TaskTimeoutError` and its
+worker is killed too (the tasks queued behind it fail with WorkerCrashedError).
 
 Tensors a task receives are views of shared memory that is reused once the task has
 finished: a task that wants to keep one beyond its own run must copy it (``.clone()``).
@@ -33,10 +38,22 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from sakura_async._options import check_int
-from sakura_async.dispatch.base import Dispatcher, TaskFuture
-from sakura_async.errors import WorkerCrashed
-from sakura_async.wire.channel import MAX_FDS, Channel, ChannelClosed, Kind
+from sakura.options import check_int, check_number
+from sakura_async.dispatch.base import (
+    DEFAULT_INTERRUPT_GRACE,
+    DEFAULT_TASK_TIMEOUT,
+    Dispatcher,
+    TaskFuture,
+)
+from sakura_async.errors import WorkerCrashedError, WorkerUnresponsiveError
+from sakura_async.wire.channel import (
+    DEFAULT_MAX_FRAME_BYTES,
+    MAX_FDS,
+    Channel,
+    ChannelClosedError,
+    ChannelTimeoutError,
+    Kind,
+)
 from sakura_async.wire.serialize import Encoder
 from sakura_async.wire.shm import Segment
 
@@ -47,6 +64,12 @@ logger = logging.getLogger("sakura.async")
 _ALIGN = 64
 _MIN_TRANSIENT = 8 << 20
 _KEEP_TRANSIENT_BYTES = 1 << 30
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL (which also ends a stopped process); ignore one that is already gone."""
+    with contextlib.suppress(OSError):
+        proc.kill()
 
 
 def _describe_exit(code: int | None) -> str:
@@ -73,6 +96,9 @@ class _Worker:
         self.ready = threading.Event()
         self.info: dict[str, Any] = {}
         self.reader: threading.Thread | None = None
+        self.why: str | None = None
+        """Why the dispatcher stopped this worker (unresponsive, a task timed out)."""
+        self.unresponsive = False
 
     @property
     def pid(self) -> int:
@@ -138,6 +164,10 @@ class LocalDispatcher(Dispatcher):
             process's ``sys.path`` so the worker imports the same modules.
         start_timeout: seconds to wait for the worker's first sign of life in
             :meth:`wait_ready` (submitting never waits for it).
+        liveness_timeout: seconds without any message from the worker (it sends a
+            heartbeat ten times per period) after which it is killed as unresponsive.
+        max_frame_bytes: the largest message accepted from the worker (4 GiB).
+        task_timeout, interrupt_grace: see :class:`~sakura_async.dispatch.Dispatcher`.
     """
 
     kind = "process"
@@ -150,9 +180,24 @@ class LocalDispatcher(Dispatcher):
         python: str | None = None,
         env: Mapping[str, str] | None = None,
         start_timeout: float = 120.0,
+        liveness_timeout: float = 60.0,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        task_timeout: float | None = DEFAULT_TASK_TIMEOUT,
+        interrupt_grace: float = DEFAULT_INTERRUPT_GRACE,
     ) -> None:
-        super().__init__(max_pending=max_pending)
-        self.threads = check_int("threads", threads, minimum=1, allow_none=True)
+        super().__init__(
+            max_pending=max_pending, task_timeout=task_timeout, interrupt_grace=interrupt_grace
+        )
+        owner = "LocalDispatcher"
+        self.liveness_timeout: float = check_number(
+            "liveness_timeout", liveness_timeout, minimum=0, min_inclusive=False, owner=owner
+        )
+        self.max_frame_bytes: int = check_int(
+            "max_frame_bytes", max_frame_bytes, minimum=1024, owner=owner
+        )
+        self.threads = check_int(
+            "threads", threads, minimum=1, allow_none=True, owner="LocalDispatcher"
+        )
         if python is not None and not isinstance(python, str):
             raise TypeError(
                 f"python must be a path to an interpreter (str) or None, got {python!r}"
@@ -164,15 +209,9 @@ class LocalDispatcher(Dispatcher):
         ):
             raise TypeError(f"env must be a mapping of str to str or None, got {env!r}")
         self.env = dict(env or {})
-        if (
-            isinstance(start_timeout, bool)
-            or not isinstance(start_timeout, (int, float))
-            or start_timeout <= 0
-        ):
-            raise ValueError(
-                f"start_timeout must be a number of seconds > 0, got {start_timeout!r}"
-            )
-        self.start_timeout = float(start_timeout)
+        self.start_timeout: float = check_number(
+            "start_timeout", start_timeout, minimum=0, min_inclusive=False, owner=owner
+        )
         self._worker: _Worker | None = None
         self._workers_started = 0
         self._spawn_lock = threading.RLock()
@@ -195,7 +234,7 @@ class LocalDispatcher(Dispatcher):
 
     def start(self) -> LocalDispatcher:
         """Spawn the worker now (it imports torch while you keep working)."""
-        self._check_open()
+        self.check_open()
         self._ensure_worker()
         return self
 
@@ -215,12 +254,12 @@ class LocalDispatcher(Dispatcher):
         ``{"pid", "python", "torch"}``."""
         worker = self._ensure_worker()
         if not worker.ready.wait(self.start_timeout if timeout is None else timeout):
-            raise WorkerCrashed(
+            raise WorkerCrashedError(
                 f"sakura-worker (pid {worker.pid}) did not become ready within "
                 f"{self.start_timeout if timeout is None else timeout} s"
             )
         if worker.dead:
-            raise WorkerCrashed(
+            raise WorkerCrashedError(
                 f"sakura-worker (pid {worker.pid}) {_describe_exit(worker.proc.poll())} while starting"
             )
         return dict(worker.info)
@@ -329,6 +368,8 @@ class LocalDispatcher(Dispatcher):
             cmd.append("--pdeathsig")
         if self.threads is not None:
             cmd += ["--threads", str(self.threads)]
+        heartbeat = min(2.0, self.liveness_timeout / 10)
+        cmd += ["--heartbeat", repr(heartbeat), "--max-frame-bytes", str(self.max_frame_bytes)]
         env = dict(os.environ)
         path = [p for p in sys.path if p and os.path.isdir(p)]
         if env.get("PYTHONPATH"):
@@ -350,7 +391,10 @@ class LocalDispatcher(Dispatcher):
         finally:
             child_sock.close()
         self._workers_started += 1
-        worker = _Worker(proc, Channel(parent_sock, fds=True))
+        channel = Channel(
+            parent_sock, fds=True, max_body=self.max_frame_bytes, timeout=self.liveness_timeout
+        )
+        worker = _Worker(proc, channel)
         worker.reader = threading.Thread(
             target=self._read_loop,
             args=(worker,),
@@ -367,6 +411,8 @@ class LocalDispatcher(Dispatcher):
                 kind, task_id, body, fds = worker.channel.recv()
                 for fd in fds:  # the worker never sends descriptors; never leak any
                     os.close(fd)
+                if kind == Kind.HEARTBEAT:
+                    continue
                 if kind == Kind.READY:
                     worker.info = json.loads(body)
                     worker.ready.set()
@@ -378,10 +424,18 @@ class LocalDispatcher(Dispatcher):
                     future, transient = entry
                     self._return_transient(transient)  # before waking the caller up
                     future._finish_outcome(body, where)
-        except ChannelClosed:
+        except ChannelTimeoutError:
+            worker.unresponsive = True
+            worker.why = worker.why or (
+                f"sent nothing, not even a heartbeat, for liveness_timeout="
+                f"{self.liveness_timeout:g} s and was killed as unresponsive"
+            )
+            _kill(worker.proc)
+        except ChannelClosedError:
             pass
-        except Exception as exc:  # a protocol error: treat the worker as crashed
+        except BaseException as exc:
             logger.error("sakura LocalDispatcher: lost %s: %r", where, exc)
+            _kill(worker.proc)
         self._worker_gone(worker)
 
     def _worker_gone(self, worker: _Worker) -> None:
@@ -393,21 +447,22 @@ class LocalDispatcher(Dispatcher):
         try:
             code = worker.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
-            worker.proc.kill()
-            code = worker.proc.wait()
+            _kill(worker.proc)
+            code = worker.proc.wait(timeout=30)
         worker.channel.close()
         if worker.proc.stdin is not None:
             with contextlib.suppress(OSError):
                 worker.proc.stdin.close()
         if worker.closing and not orphans:
             return
-        how = _describe_exit(code)
+        how = worker.why or _describe_exit(code)
         if orphans:
             logger.error("sakura LocalDispatcher: sakura-worker (pid %d) %s", worker.pid, how)
+        kind = WorkerUnresponsiveError if worker.unresponsive else WorkerCrashedError
         for task_id, (future, transient) in orphans:
             self._return_transient(transient)
-            future._finish(
-                error=WorkerCrashed(
+            future.settle(
+                error=kind(
                     f"sakura-worker (pid {worker.pid}) {how} while task #{task_id} "
                     f"({future.name}) was pending on it; the next task starts a new worker"
                 )
@@ -415,7 +470,7 @@ class LocalDispatcher(Dispatcher):
 
     # --- tasks ----------------------------------------------------------------------------
 
-    def _submit(
+    def start_task(
         self,
         future: TaskFuture,
         fn: Callable[..., Any],
@@ -440,9 +495,25 @@ class LocalDispatcher(Dispatcher):
                 worker.channel.send(Kind.SEGMENTS, 0, [described], fds=[s.fd for s in batch])
                 worker.known.update(s.id for s in batch)
             worker.channel.send(Kind.TASK, future.task_id, body)
-        except ChannelClosed:
+        except ChannelClosedError:
             pass  # the reader thread sees the worker gone and fails the future
-        future._mark_submitted()
+        future.mark_submitted()
+
+    def handle_timeout(self, future: TaskFuture) -> None:
+        """The worker is stuck in the task: kill it (the reader fails what it held; the
+        next task starts a fresh worker)."""
+        with self._spawn_lock:
+            worker = self._worker
+            if worker is None or worker.dead or future.task_id not in worker.inflight:
+                return
+            _, transient = worker.inflight.pop(future.task_id)
+            self._worker = None  # the next task starts a fresh worker at once
+            worker.why = (
+                f"was stopped because task #{future.task_id} ({future.name}) exceeded "
+                f"task_timeout={self.task_timeout:g} s"
+            )
+        _kill(worker.proc)
+        self._return_transient(transient)
 
     def _send_releases(self, worker: _Worker) -> None:
         with self._segments_lock:
@@ -452,18 +523,21 @@ class LocalDispatcher(Dispatcher):
             worker.known.difference_update(gone)
             worker.channel.send(Kind.RELEASE, 0, [json.dumps(gone).encode()])
 
-    def _close(self, wait: bool) -> None:
+    def close_resources(self, wait: bool) -> None:
         atexit.unregister(self._atexit)
         with self._spawn_lock:
             worker, self._worker = self._worker, None
         if worker is not None and not worker.dead:
             worker.closing = True
-            with contextlib.suppress(ChannelClosed):
-                worker.channel.send(Kind.SHUTDOWN, 0)
-            try:
-                worker.proc.wait(timeout=10 if wait else 1)
-            except subprocess.TimeoutExpired:
-                worker.proc.kill()
+            if wait:
+                with contextlib.suppress(ChannelClosedError):
+                    worker.channel.send(Kind.SHUTDOWN, 0)
+                try:
+                    worker.proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    _kill(worker.proc)
+            else:  # the tasks it runs were failed already: do not wait for them
+                _kill(worker.proc)
             if worker.reader is not None:
                 worker.reader.join(timeout=10)
         with self._segments_lock:

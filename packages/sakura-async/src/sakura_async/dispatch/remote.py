@@ -1,8 +1,12 @@
 """RemoteDispatcher: tasks run on a ``sakura-worker --listen`` on another host.
 
 The connection is TLS (the standard :mod:`ssl` module) with the worker's certificate
-pinned by the client (``cert_der``, ``cert_sha256`` or ``cafile``), then the shared token
-is proven by HMAC challenge (:mod:`sakura_async.wire.auth`).  ``tcp://`` without TLS is
+pinned by the client (``cert_der``, ``cert_sha256`` or ``cafile``), then both sides prove
+the shared token by HMAC challenge-response (:mod:`sakura_async.wire.auth`) before either
+decodes anything: a server that cannot prove the token never gets a result unpickled here.
+The worker sends a heartbeat every second; a worker silent for ``liveness_timeout``
+seconds is dropped and its tasks fail with
+:class:`~sakura_async.errors.WorkerUnresponsiveError`.  ``tcp://`` without TLS is
 accepted only for a loopback address.  Tensors travel as raw buffers after the compressed
 pickle, sent from a background thread so the training thread never waits on the network
 (a snapshot buffer is not reused before its task has finished).
@@ -30,10 +34,22 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from sakura_async.dispatch.base import Dispatcher, TaskFuture
-from sakura_async.errors import AuthenticationError, WorkerCrashed
+from sakura.options import check_int, check_number
+from sakura_async.dispatch.base import (
+    DEFAULT_INTERRUPT_GRACE,
+    DEFAULT_TASK_TIMEOUT,
+    Dispatcher,
+    TaskFuture,
+)
+from sakura_async.errors import AuthenticationError, WorkerCrashedError, WorkerUnresponsiveError
 from sakura_async.wire.auth import client_handshake, is_loopback, read_token
-from sakura_async.wire.channel import Channel, ChannelClosed, Kind
+from sakura_async.wire.channel import (
+    DEFAULT_MAX_FRAME_BYTES,
+    Channel,
+    ChannelClosedError,
+    ChannelTimeoutError,
+    Kind,
+)
 from sakura_async.wire.serialize import Encoder
 
 __all__ = ["RemoteDispatcher"]
@@ -67,7 +83,11 @@ class RemoteDispatcher(Dispatcher):
             ``cafile``, a CA bundle to verify it against (with hostname checking).  Exactly
             one of them is required for ``tls://``.
         max_pending: unfinished tasks allowed before ``submit`` blocks.
-        connect_timeout: seconds for connecting and authenticating.
+        connect_timeout: seconds for connecting and authenticating (the whole handshake).
+        liveness_timeout: seconds without any message (the worker sends a heartbeat every
+            second) after which the worker counts as gone.
+        max_frame_bytes: the largest result message accepted from the worker (4 GiB).
+        task_timeout, interrupt_grace: see :class:`~sakura_async.dispatch.Dispatcher`.
     """
 
     kind = "remote"
@@ -84,8 +104,21 @@ class RemoteDispatcher(Dispatcher):
         cafile: str | None = None,
         max_pending: int = 2,
         connect_timeout: float = 15.0,
+        liveness_timeout: float = 60.0,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        task_timeout: float | None = DEFAULT_TASK_TIMEOUT,
+        interrupt_grace: float = DEFAULT_INTERRUPT_GRACE,
     ) -> None:
-        super().__init__(max_pending=max_pending)
+        super().__init__(
+            max_pending=max_pending, task_timeout=task_timeout, interrupt_grace=interrupt_grace
+        )
+        owner = "RemoteDispatcher"
+        self.liveness_timeout: float = check_number(
+            "liveness_timeout", liveness_timeout, minimum=0, min_inclusive=False, owner=owner
+        )
+        self.max_frame_bytes: int = check_int(
+            "max_frame_bytes", max_frame_bytes, minimum=1024, owner=owner
+        )
         if not isinstance(uri, str):
             raise TypeError(f"uri must be a string such as 'tls://host:4433', got {uri!r}")
         parts = urlsplit(uri)
@@ -137,15 +170,9 @@ class RemoteDispatcher(Dispatcher):
                 raise ValueError(f"cert_sha256 must be 64 hex digits, got {cert_sha256!r}")
             self._pin = pin
         self._cafile = cafile
-        if (
-            isinstance(connect_timeout, bool)
-            or not isinstance(connect_timeout, (int, float))
-            or connect_timeout <= 0
-        ):
-            raise ValueError(
-                f"connect_timeout must be a number of seconds > 0, got {connect_timeout!r}"
-            )
-        self.connect_timeout = float(connect_timeout)
+        self.connect_timeout: float = check_number(
+            "connect_timeout", connect_timeout, minimum=0, min_inclusive=False, owner=owner
+        )
         self._conn: _Connection | None = None
         self._conn_lock = threading.RLock()
         self._encoder = Encoder(placer=None)
@@ -154,7 +181,7 @@ class RemoteDispatcher(Dispatcher):
 
     def start(self) -> RemoteDispatcher:
         """Connect and authenticate now (raises AuthenticationError if refused)."""
-        self._check_open()
+        self.check_open()
         self._connection()
         return self
 
@@ -196,13 +223,13 @@ class RemoteDispatcher(Dispatcher):
                             f"{where} presented a certificate that does not match the pinned one "
                             f"(sha256 {hashlib.sha256(der).hexdigest()}); refusing to send it anything"
                         )
-            client_handshake(sock, self._token)
-            sock.settimeout(None)
+            client_handshake(sock, self._token, timeout=self.connect_timeout)
         except BaseException:
             with contextlib.suppress(OSError):
                 sock.close()
             raise
-        conn = _Connection(Channel(sock), where)
+        channel = Channel(sock, max_body=self.max_frame_bytes, timeout=self.liveness_timeout)
+        conn = _Connection(channel, where)
         reader = threading.Thread(
             target=self._read_loop, args=(conn,), name="sakura-remote-reader", daemon=True
         )
@@ -222,14 +249,17 @@ class RemoteDispatcher(Dispatcher):
             task_id, chunks = item
             try:
                 conn.channel.send(Kind.TASK, task_id, chunks)
-            except ChannelClosed:
-                self._lost(conn)
+            except ChannelClosedError as exc:
+                self._lost(conn, exc)
                 return
 
     def _read_loop(self, conn: _Connection) -> None:
+        reason: BaseException | None = None
         try:
             while True:
                 kind, task_id, body, _ = conn.channel.recv()
+                if kind == Kind.HEARTBEAT:
+                    continue
                 if kind == Kind.READY:
                     conn.info = json.loads(body)
                     conn.ready.set()
@@ -239,13 +269,14 @@ class RemoteDispatcher(Dispatcher):
                     if future is None:
                         continue
                     future._finish_outcome(body, conn.where)
-        except ChannelClosed:
-            pass
-        except Exception as exc:
+        except ChannelClosedError as exc:
+            reason = exc
+        except BaseException as exc:
             logger.error("sakura RemoteDispatcher: lost %s: %r", conn.where, exc)
-        self._lost(conn)
+            reason = exc
+        self._lost(conn, reason)
 
-    def _lost(self, conn: _Connection) -> None:
+    def _lost(self, conn: _Connection, reason: BaseException | None = None) -> None:
         with self._conn_lock:
             if conn.dead:
                 return
@@ -256,16 +287,32 @@ class RemoteDispatcher(Dispatcher):
         conn.outbox.put(None)
         conn.channel.close()
         for task_id, future in orphans:
-            future._finish(
-                error=WorkerCrashed(
-                    f"the connection to {conn.where} was lost while task #{task_id} "
+            if isinstance(reason, ChannelTimeoutError):
+                error: WorkerCrashedError = WorkerUnresponsiveError(
+                    f"{conn.where} sent nothing (not even a heartbeat) for "
+                    f"liveness_timeout={self.liveness_timeout:g} s while task #{task_id} "
                     f"({future.name}) was pending; the next task reconnects"
                 )
-            )
+            else:
+                detail = f" ({reason})" if reason is not None and str(reason) else ""
+                error = WorkerCrashedError(
+                    f"the connection to {conn.where} was lost{detail} while task #{task_id} "
+                    f"({future.name}) was pending; the next task reconnects"
+                )
+            future.settle(error=error)
+
+    def handle_timeout(self, future: TaskFuture) -> None:
+        """The worker runs tasks in order: one that timed out blocks the ones behind it, so
+        drop the connection (they fail with WorkerCrashedError; the next task reconnects)."""
+        with self._conn_lock:
+            conn = self._conn
+            if conn is None or conn.dead:
+                return
+        self._lost(conn, ChannelClosedError(f"task #{future.task_id} timed out"))
 
     # --- tasks ----------------------------------------------------------------------------
 
-    def _submit(
+    def start_task(
         self,
         future: TaskFuture,
         fn: Callable[..., Any],
@@ -277,20 +324,21 @@ class RemoteDispatcher(Dispatcher):
             conn = self._connection()
             conn.inflight[future.task_id] = future
         conn.outbox.put((future.task_id, chunks))
-        future._mark_submitted()
+        future.mark_submitted()
 
-    def _close(self, wait: bool) -> None:
+    def close_resources(self, wait: bool) -> None:
         with self._conn_lock:
             conn, self._conn = self._conn, None
         if conn is None or conn.dead:
             return
         conn.outbox.put(None)
-        for thread in conn.threads[1:]:
-            thread.join(timeout=30 if wait else 1)
-        with contextlib.suppress(ChannelClosed):
-            conn.channel.send(Kind.SHUTDOWN, 0)
+        if wait:
+            for thread in conn.threads[1:]:
+                thread.join(timeout=self.liveness_timeout)
+            with contextlib.suppress(ChannelClosedError):
+                conn.channel.send(Kind.SHUTDOWN, 0)
         conn.channel.close()
-        conn.threads[0].join(timeout=10)
+        conn.threads[0].join(timeout=10 if wait else 1)
 
     def __repr__(self) -> str:
         return f"<RemoteDispatcher {self.uri} {'closed' if self.closed else f'{self.pending}/{self.max_pending} pending'}>"

@@ -13,20 +13,25 @@ __all__ = ["resolve_dispatcher"]
 def resolve_dispatcher(value: Any, *, option: str = "dispatcher") -> tuple[Dispatcher, bool]:
     """``(dispatcher, owned)``: None builds a :class:`ThreadDispatcher`; a string such as
     ``"thread"``, ``"process"`` or ``"remote:uri=..."`` builds the dispatcher registered
-    under that name (see ``sakura services``/``sakura plugins``); a dispatcher is used as is
-    and stays the caller's to close."""
+    under that name (see ``sakura services``/``sakura plugins``); both are marked
+    :attr:`~Dispatcher.owned_by_service` and owned.  A dispatcher object is used as is: it
+    is owned when its ``owned_by_service`` is set (a dispatcher built for this service
+    alone), otherwise it stays the caller's to close."""
     if value is None:
         from sakura_async.dispatch.thread import ThreadDispatcher
 
-        return ThreadDispatcher(), True
+        thread = ThreadDispatcher()
+        thread.owned_by_service = True
+        return thread, True
     if isinstance(value, Dispatcher):
-        return value, False
+        return value, bool(value.owned_by_service)
     if isinstance(value, str):
         from sakura.plugins import get_plugin_manager
 
         built = get_plugin_manager().create("dispatcher", value)
         if not isinstance(built, Dispatcher):
             raise TypeError(f"{option}={value!r} built a {type(built).__name__}, not a dispatcher")
+        built.owned_by_service = True
         return built, True
     raise TypeError(
         f"{option} must be a sakura_async dispatcher (InThreadDispatcher, ThreadDispatcher, "

@@ -4,24 +4,43 @@ Header: ``magic (4s) | kind (B) | task id (Q) | body length (Q)``.  File descrip
 (shared-memory segments for a local worker) ride on the header's ``sendmsg`` as
 ``SCM_RIGHTS`` ancillary data, so they only ever cross a Unix socket.  Bodies are received
 into a ``bytearray`` so tensors rebuilt from them are writable without a copy.
+
+A body longer than the channel's ``max_body`` is refused from its header, before anything
+is allocated, and the body buffer grows as bytes arrive (never from the announced length
+alone): a peer cannot make the receiver reserve memory it has not sent.  Channels exist
+only after authentication (:mod:`sakura_async.wire.auth` reads fixed-size messages before
+that).
 """
 
 from __future__ import annotations
 
 import array
 import contextlib
+import os
 import socket
 import struct
 import threading
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["Channel", "ChannelClosed", "Kind"]
+__all__ = [
+    "DEFAULT_MAX_FRAME_BYTES",
+    "Channel",
+    "ChannelClosed",
+    "ChannelClosedError",
+    "ChannelTimeoutError",
+    "FrameTooLargeError",
+    "Kind",
+]
 
 MAGIC = b"SKW1"
 _HEADER = struct.Struct("!4sBQQ")
 MAX_FDS = 32
-MAX_BODY = 1 << 40
+DEFAULT_MAX_FRAME_BYTES = 4 << 30
+"""4 GiB: the largest message a channel accepts unless told otherwise (``max_frame_bytes``
+of the dispatchers and ``sakura-worker --max-frame-bytes``)."""
+_GROW = 1 << 24
+_ZEROS = bytes(_GROW)  # calloc'd: costs no memory until read, and reading it is cheap
 
 
 class Kind:
@@ -31,19 +50,48 @@ class Kind:
     SEGMENTS = 4
     RELEASE = 5
     SHUTDOWN = 6
+    HEARTBEAT = 7
 
 
-class ChannelClosed(ConnectionError):
+class ChannelClosedError(ConnectionError):
     """The peer closed the connection (or it broke)."""
 
 
-class Channel:
-    """One end of a worker connection.  ``send`` is thread-safe; one thread receives."""
+ChannelClosed = ChannelClosedError  # the name of sakura-async 0.1 (internal)
 
-    def __init__(self, sock: socket.socket, *, fds: bool = False) -> None:
+
+class ChannelTimeoutError(ChannelClosedError):
+    """Nothing arrived from the peer within the channel's timeout (not even a heartbeat)."""
+
+
+class FrameTooLargeError(ChannelClosedError):
+    """A message header announced a body over the channel's ``max_body``."""
+
+
+class Channel:
+    """One end of a worker connection.  ``send`` is thread-safe; one thread receives.
+
+    Args:
+        sock: a connected, authenticated stream socket.
+        fds: whether messages may carry file descriptors (a Unix socket).
+        max_body: the largest body accepted, in bytes.
+        timeout: seconds a ``recv`` or ``send`` may wait for the peer before the channel
+            counts it as gone (None: no bound; use with heartbeats from the peer).
+    """
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        *,
+        fds: bool = False,
+        max_body: int = DEFAULT_MAX_FRAME_BYTES,
+        timeout: float | None = None,
+    ) -> None:
         self.sock = sock
         self.fds = fds
+        self.max_body = max_body
         self._send_lock = threading.Lock()
+        sock.settimeout(timeout)
 
     def send(
         self, kind: int, task_id: int, chunks: Sequence[Any] = (), fds: Sequence[int] = ()
@@ -63,8 +111,12 @@ class Channel:
                 for chunk in chunks:
                     if memoryview(chunk).nbytes:
                         self.sock.sendall(chunk)
+            except TimeoutError as exc:
+                raise ChannelTimeoutError(
+                    f"the peer did not take a message within {self.sock.gettimeout()} s"
+                ) from exc
             except OSError as exc:
-                raise ChannelClosed(f"connection lost while sending: {exc}") from exc
+                raise ChannelClosedError(f"connection lost while sending: {exc}") from exc
 
     def recv(self) -> tuple[int, int, bytearray, list[int]]:
         """Block for the next message: ``(kind, task_id, body, fds)``."""
@@ -82,28 +134,52 @@ class Channel:
                         arr.frombytes(cdata[: len(cdata) - (len(cdata) % arr.itemsize)])
                         fds.extend(arr)
                 if not data:
-                    raise ChannelClosed("connection closed by the peer")
+                    raise ChannelClosedError("connection closed by the peer")
             while len(header) < _HEADER.size:
                 chunk = self.sock.recv(_HEADER.size - len(header))
                 if not chunk:
-                    raise ChannelClosed("connection closed by the peer")
+                    raise ChannelClosedError("connection closed by the peer")
                 header += chunk
             magic, kind, task_id, size = _HEADER.unpack(header)
-            if magic != MAGIC or size > MAX_BODY:
-                raise ChannelClosed("protocol error: bad message header")
-            body = bytearray(size)
-            view = memoryview(body)
-            got = 0
-            while got < size:
-                n = self.sock.recv_into(view[got:], min(size - got, 1 << 24))
-                if not n:
-                    raise ChannelClosed("connection closed by the peer mid-message")
-                got += n
+            if magic != MAGIC:
+                raise ChannelClosedError("protocol error: bad message header")
+            if size > self.max_body:
+                raise FrameTooLargeError(
+                    f"the peer announced a {size}-byte message; this side accepts at most "
+                    f"max_frame_bytes={self.max_body}"
+                )
+            body = self._recv_body(size)
+        except TimeoutError as exc:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            raise ChannelTimeoutError(
+                f"nothing arrived from the peer within {self.sock.gettimeout()} s"
+            ) from exc
         except OSError as exc:
-            if isinstance(exc, ChannelClosed):
+            if isinstance(exc, ChannelClosedError):
                 raise
-            raise ChannelClosed(f"connection lost: {exc}") from exc
+            raise ChannelClosedError(f"connection lost: {exc}") from exc
         return kind, task_id, body, fds
+
+    def _recv_body(self, size: int) -> bytearray:
+        """Receive ``size`` bytes, growing the buffer by at most 16 MiB ahead of the data."""
+        body = bytearray()
+        got = 0
+        while got < size:
+            step = min(size - got, _GROW)
+            body += memoryview(_ZEROS)[:step]
+            view = memoryview(body)
+            try:
+                end = got + step
+                while got < end:
+                    n = self.sock.recv_into(view[got:end], end - got)
+                    if not n:
+                        raise ChannelClosedError("connection closed by the peer mid-message")
+                    got += n
+            finally:
+                view.release()
+        return body
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

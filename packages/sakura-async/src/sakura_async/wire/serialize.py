@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import cloudpickle
+import cloudpickle  # type: ignore[import-untyped,unused-ignore]
 import zstandard
 
 __all__ = ["Decoder", "Encoder", "pack_frame", "unpack_frame"]

@@ -51,7 +51,8 @@ def decode_outcome(body: Any, where: str) -> tuple[bool, Any, float]:
     RemoteTaskError."""
     try:
         ok, value, tb_text, type_name, run_s = Decoder().decode(body)
-    except Exception as exc:  # e.g. the result's class does not exist on this side
+    except BaseException as exc:
+        # here, or unpickling it raises SystemExit: fail the task, never the reader thread
         return (
             False,
             RemoteTaskError(f"the result from {where} could not be unpickled: {exc!r}"),
