@@ -69,12 +69,11 @@ def test_loss_scale_is_none_without_a_scaler() -> None:
     assert SakuraRuntime([fp16]).loss_scale() is None  # nothing scaled yet
 
 
-def test_monitor_divides_by_the_loss_scale_in_a_raw_loop_with_accumulation() -> None:
-    torch.set_num_threads(1)
-    accumulation, steps = 2, 6
-    batches = make_batches(steps * accumulation)
-
-    # reference: torch's hand-written GradScaler loop, recording the scale of each step
+def _reference(
+    batches: list[tuple[torch.Tensor, torch.Tensor]], steps: int, accumulation: int
+) -> tuple[torch.nn.Module, list[float], list[float]]:
+    """torch's hand-written GradScaler loop with ``unscale_`` before each step: the model,
+    the scale of each step and the unscaled gradient norm of each step."""
     reference = make_model()
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     scaler = torch.amp.GradScaler("cpu", **SETTINGS)
@@ -90,6 +89,14 @@ def test_monitor_divides_by_the_loss_scale_in_a_raw_loop_with_accumulation() -> 
         scaler.step(ref_opt)
         scaler.update()
         ref_opt.zero_grad(set_to_none=True)
+    return reference, ref_scales, ref_norms
+
+
+def test_monitor_divides_by_the_loss_scale_in_a_raw_loop_with_accumulation() -> None:
+    torch.set_num_threads(1)
+    accumulation, steps = 2, 6
+    batches = make_batches(steps * accumulation)
+    _, ref_scales, ref_norms = _reference(batches, steps, accumulation)
 
     model = make_model()
     monitor = GradNormMonitor()
@@ -170,3 +177,74 @@ def test_monitor_reads_unscaled_norms_under_lightning(tmp_path: Path) -> None:
     assert monitor.scales[0] == SETTINGS["init_scale"] and len(set(monitor.scales)) > 1
     _assert_norms_close(monitor.after_backward, monitor.before_step)
     assert service.skipped_steps >= 1
+
+
+class HandOn:
+    """A third-party service that runs before MixedPrecision's step, reads the unscaled
+    gradients and hands the step on (returns False)."""
+
+    name = "hand_on"
+    priority = 5  # MixedPrecision is 10
+
+    def __init__(self) -> None:
+        self.norms: list[float] = []
+
+    def setup(self, runtime: SakuraRuntime) -> None:
+        self.runtime = runtime
+
+    def optimizer_step(self, optimizer: Any) -> bool:
+        self.runtime.unscale_gradients(optimizer)  # once: the scaler's step will not repeat it
+        self.norms.append(_grad_norm_of(optimizer))
+        return False  # hand the step on: MixedPrecision steps, or skips on inf/NaN
+
+
+class LateOwner:
+    """A step owner behind MixedPrecision: under fp16 it is never asked."""
+
+    name = "late_owner"
+    priority = 50
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def optimizer_step(self, optimizer: Any) -> bool:
+        self.calls += 1
+        optimizer.step()
+        return True
+
+
+def _grad_norm_of(optimizer: torch.optim.Optimizer) -> float:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grads = [p.grad.detach().float() for p in params if p.grad is not None]
+    return float(
+        torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    )
+
+
+def test_a_service_before_mixed_precision_hands_the_step_on() -> None:
+    torch.set_num_threads(1)
+    steps = 6
+    batches = make_batches(steps)
+    reference, _, ref_norms = _reference(batches, steps, accumulation=1)
+
+    model = make_model()
+    hand_on, late = HandOn(), LateOwner()
+    skipped = []
+    with SakuraRuntime([MixedPrecision("fp16", **SETTINGS), hand_on, late], strict=True) as rt:
+        model, optimizer = rt.prepare(
+            model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        )
+        for x, y in batches:
+            with rt.autocast():
+                loss = loss_fn(model(x), y)
+            rt.backward(loss)
+            assert rt.optimizer_step(optimizer) is True  # MixedPrecision owned it
+            skipped.append(rt.last_step_skipped)
+            optimizer.zero_grad(set_to_none=True)
+
+    assert rt.implements("optimizer_step") == ("hand_on", "mixed_precision", "late_owner")
+    assert late.calls == 0
+    assert skipped[0] and not all(skipped)  # overflows, then steps: both paths covered
+    _assert_norms_close(hand_on.norms, ref_norms)
+    for key, value in reference.state_dict().items():  # bit-identical to the reference
+        assert torch.equal(model.state_dict()[key], value), key
