@@ -14,11 +14,13 @@ if TYPE_CHECKING:
     from sakura_quant.formats import QuantizedWeight
     from sakura_quant.linear import QuantizedLinear
     from sakura_quant.quantize import quantize_model
+    from sakura_quant.service import QuantizedBase
     from sakura_quant.weights import dequantize_weight, quantize_weight
 
 # Exports load on first use: the plugin module (sakura_quant.plugin) is imported whenever
 # sakura lists plugins, and that must not import torch.
 _EXPORTS = {
+    "QuantizedBase": "sakura_quant.service",
     "QuantizedLinear": "sakura_quant.linear",
     "QuantizedWeight": "sakura_quant.formats",
     "quantize_model": "sakura_quant.quantize",
@@ -27,6 +29,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "QuantizedBase",
     "QuantizedLinear",
     "QuantizedWeight",
     "dequantize_weight",
