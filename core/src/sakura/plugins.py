@@ -208,82 +208,97 @@ class PluginManager:
                 return
             self._loaded = True
             self._register_module(importlib.import_module(BUILTIN_PLUGIN), "sakura", "sakura-core")
-            wanted = {_normalize(n) for n in self.only} if self.only is not None else None
-            disabled = {_normalize(n) for n in self.disabled}
-            known: set[str] = set()
-            for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
-                dist = ep.dist.name if ep.dist is not None else None
-                names = {_normalize(ep.name)} | ({_normalize(dist)} if dist else set())
-                for key in names:
-                    self._installed.setdefault(key, (ep.name, dist))
-                known |= names
-                if ep.name in self._info or any(s.name == ep.name for s in self.skipped):
-                    continue  # the same distribution seen twice on sys.path
-                reason = None
-                if names & disabled:
-                    reason = "disabled"
-                elif wanted is not None:
-                    if not names & wanted:
-                        reason = "not selected" if self.autoload else "autoload off"
-                elif not self.autoload:
-                    reason = "autoload off"
-                if reason is not None:
-                    self.skipped.append(SkippedPlugin(ep.name, dist, _version(dist), reason))
-                    continue
-                try:
-                    module = ep.load()
-                except Exception as exc:
-                    self._fail(ep.name, dist, exc)
-                    continue
-                self._register_module(module, ep.name, dist)
-            installed_names = sorted(
-                {n for ep_name, d in self._installed.values() for n in (ep_name, d) if n}
-            )
-            for item in self.disabled:
-                if _normalize(item) not in known:
-                    self._problem(
-                        f"the disabled plugin {item!r} (SAKURA_DISABLED_PLUGINS / "
-                        f"disabled_plugins) is not an installed plugin"
-                        f"{self._did_you_mean(item, installed_names)}"
-                    )
-            for item in self.only or ():
-                if _normalize(item) in known or _normalize(item) in disabled:
-                    continue  # an entry point or distribution name, handled above
-                try:
-                    module = importlib.import_module(item)
-                except ImportError as exc:
-                    self._fail(
-                        item,
-                        None,
-                        exc,
-                        hint="not an installed plugin, distribution or importable module"
-                        + self._did_you_mean(item, installed_names),
-                    )
-                    continue
-                except Exception as exc:
-                    self._fail(item, None, exc)
-                    continue
-                if not any(attr.startswith("sakura_") for attr in dir(module)):
-                    self._fail(
-                        item,
-                        None,
-                        ValueError(
-                            f"module {item!r} implements no sakura_* hook; name the plugin by its "
-                            f"entry-point or distribution name, or the module that holds the hooks"
-                            f"{self._did_you_mean(item, installed_names)}"
-                        ),
-                    )
-                    continue
-                self._register_module(module, item, None)
-            # Hook names are checked once everything is registered, because a package may
-            # add hookspecs (sakura_add_hookspecs) that plugins loaded before it implement.
-            for name, info in list(self._info.items()):
-                plugin = self.pm.get_plugin(name)
-                problem = self._misnamed_hook(plugin) if plugin is not None else None
-                if problem:
-                    self.pm.unregister(name=name)
-                    del self._info[name]
-                    self._fail(name, info.distribution, ValueError(problem))
+            self._load_entry_points()
+            installed = sorted({n for pair in self._installed.values() for n in pair if n})
+            self._check_disabled_names(installed)
+            self._load_named_modules(installed)
+            self._check_hook_names()
+
+    def _load_entry_points(self) -> None:
+        """Import every entry point of the group that the filters let through; record the
+        others in :attr:`skipped` with the reason."""
+        wanted = {_normalize(n) for n in self.only} if self.only is not None else None
+        disabled = {_normalize(n) for n in self.disabled}
+        for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+            dist = ep.dist.name if ep.dist is not None else None
+            names = {_normalize(ep.name)} | ({_normalize(dist)} if dist else set())
+            for key in names:
+                self._installed.setdefault(key, (ep.name, dist))
+            if ep.name in self._info or any(s.name == ep.name for s in self.skipped):
+                continue  # the same distribution seen twice on sys.path
+            reason = None
+            if names & disabled:
+                reason = "disabled"
+            elif wanted is not None:
+                if not names & wanted:
+                    reason = "not selected" if self.autoload else "autoload off"
+            elif not self.autoload:
+                reason = "autoload off"
+            if reason is not None:
+                self.skipped.append(SkippedPlugin(ep.name, dist, _version(dist), reason))
+                continue
+            try:
+                module = ep.load()
+            except Exception as exc:
+                self._fail(ep.name, dist, exc)
+                continue
+            self._register_module(module, ep.name, dist)
+
+    def _check_disabled_names(self, installed: list[str]) -> None:
+        """A disabled name that matches nothing installed is most likely misspelt, and the
+        plugin meant is then loaded: report it with the nearest installed name."""
+        for item in self.disabled:
+            if _normalize(item) not in self._installed:
+                self._problem(
+                    f"the disabled plugin {item!r} (SAKURA_DISABLED_PLUGINS / "
+                    f"disabled_plugins) is not an installed plugin"
+                    f"{self._did_you_mean(item, installed)}"
+                )
+
+    def _load_named_modules(self, installed: list[str]) -> None:
+        """Import the items of the plugin list that are not entry points: module paths."""
+        disabled = {_normalize(n) for n in self.disabled}
+        for item in self.only or ():
+            if _normalize(item) in self._installed or _normalize(item) in disabled:
+                continue  # an entry point or distribution name, handled above
+            try:
+                module = importlib.import_module(item)
+            except ImportError as exc:
+                self._fail(
+                    item,
+                    None,
+                    exc,
+                    hint="not an installed plugin, distribution or importable module"
+                    + self._did_you_mean(item, installed),
+                )
+                continue
+            except Exception as exc:
+                self._fail(item, None, exc)
+                continue
+            if not any(attr.startswith("sakura_") for attr in dir(module)):
+                self._fail(
+                    item,
+                    None,
+                    ValueError(
+                        f"module {item!r} implements no sakura_* hook; name the plugin by its "
+                        f"entry-point or distribution name, or the module that holds the hooks"
+                        f"{self._did_you_mean(item, installed)}"
+                    ),
+                )
+                continue
+            self._register_module(module, item, None)
+
+    def _check_hook_names(self) -> None:
+        """Unregister plugins that implement a ``sakura_*`` hook nobody declares.  Checked
+        once everything is registered, because a package may add hookspecs
+        (``sakura_add_hookspecs``) that plugins loaded before it implement."""
+        for name, info in list(self._info.items()):
+            plugin = self.pm.get_plugin(name)
+            problem = self._misnamed_hook(plugin) if plugin is not None else None
+            if problem:
+                self.pm.unregister(name=name)
+                del self._info[name]
+                self._fail(name, info.distribution, ValueError(problem))
 
     @staticmethod
     def _did_you_mean(item: str, installed: list[str]) -> str:
