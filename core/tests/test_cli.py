@@ -122,7 +122,7 @@ def test_hooks_lists_every_signature(capsys: pytest.CaptureFixture[str]) -> None
     assert "on_train_begin(event: OnTrainBegin) -> None" in out
     assert "sakura_register_services(register: Register) -> None" in out
     assert main(["hooks", "--json"]) == 0
-    listed = [hook["name"] for hook in json.loads(capsys.readouterr().out)]
+    listed = [h["name"] for h in json.loads(capsys.readouterr().out) if "declared_in" not in h]
     plugin_hooks = {
         name
         for name, fn in vars(hookspecs).items()
@@ -166,3 +166,38 @@ def test_a_bad_environment_value_is_a_usage_error(
         "sakura: SAKURA_DISABLE_PLUGIN_AUTOLOAD='maybe' is not accepted; accepted: 1/0, "
         "true/false, yes/no, on/off\n"
     )
+
+
+GADGETS = '''
+from sakura import hookimpl, hookspec
+
+class GadgetSpecs:
+    @hookspec
+    def sakura_register_gadgets(self, register):
+        """Offer gadgets by name.  More text."""
+
+@hookimpl
+def sakura_add_hookspecs(pluginmanager):
+    pluginmanager.add_hookspecs(GadgetSpecs)
+'''
+
+
+def test_hooks_lists_the_hooks_packages_declare(
+    make_distribution: Callable[..., Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    make_distribution("sakura-gadgets", "sakura_gadgets_cli", GADGETS)
+    assert main(["hooks", "--json"]) == 0
+    [gadgets] = [
+        h for h in json.loads(capsys.readouterr().out) if h["name"] == "sakura_register_gadgets"
+    ]
+    assert gadgets == {
+        "kind": "plugin",
+        "name": "sakura_register_gadgets",
+        "signature": "sakura_register_gadgets(register)",
+        "doc": "Offer gadgets by name.  More text.",
+        "declared_in": "sakura_gadgets_cli",
+    }
+    assert main(["hooks"]) == 0
+    out = capsys.readouterr().out
+    section = out[out.index("Plugin hooks declared by installed packages:") :]
+    assert "sakura_register_gadgets(register)    [sakura_gadgets_cli]" in section

@@ -20,6 +20,7 @@ import json
 import sys
 import warnings
 from collections.abc import Sequence
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -82,6 +83,8 @@ def format_signature(fn: Any) -> str:
             text += f": {annotation if isinstance(annotation, str) else inspect.formatannotation(annotation)}"
         params.append(text)
     ret = sig.return_annotation
+    if ret is inspect.Signature.empty:
+        return f"{fn.__name__}({', '.join(params)})"
     ret_text = ret if isinstance(ret, str) else inspect.formatannotation(ret)
     return f"{fn.__name__}({', '.join(params)}) -> {ret_text}"
 
@@ -195,10 +198,38 @@ def _cmd_registry(kind: str, args: argparse.Namespace) -> int:
     return 0
 
 
+def package_hook_signatures(manager: PluginManager) -> list[dict[str, str]]:
+    """The plugin hooks that installed packages declare themselves (``sakura_add_hookspecs``,
+    e.g. sakura-bench's ``sakura_register_workloads``), with where each is declared."""
+    from sakura import hookspecs
+
+    out: list[dict[str, str]] = []
+    for name in sorted(dir(manager.pm.hook)):
+        spec = getattr(getattr(manager.pm.hook, name), "spec", None)
+        if spec is None or spec.namespace is hookspecs:
+            continue
+        namespace = spec.namespace
+        declared_in = (
+            namespace.__name__ if isinstance(namespace, ModuleType) else namespace.__module__
+        )
+        out.append(
+            {
+                "kind": "plugin",
+                "name": name,
+                "signature": format_signature(spec.function),
+                "doc": _first_line(spec.function),
+                "declared_in": declared_in,
+            }
+        )
+    return out
+
+
 def _cmd_hooks(args: argparse.Namespace) -> int:
+    manager = _loaded_manager()
     hooks = hook_signatures()
+    declared = package_hook_signatures(manager)
     if args.json:
-        print(json.dumps(hooks, indent=2))
+        print(json.dumps(hooks + declared, indent=2))
         return 0
     for kind, title in (
         ("service", "Service hooks"),
@@ -211,6 +242,13 @@ def _cmd_hooks(args: argparse.Namespace) -> int:
                 print(f"  {hook['signature']}")
                 print(f"      {hook['doc']}")
         print()
+    if declared:
+        print("Plugin hooks declared by installed packages:")
+        for hook in declared:
+            print(f"  {hook['signature']}    [{hook['declared_in']}]")
+            print(f"      {hook['doc']}")
+        print()
+    _report_problems(manager)
     return 0
 
 
