@@ -71,7 +71,7 @@ def test_raw_loop_prepares_a_quantized_lora_model(make_tiny_lm: Callable[[], nn.
                 optimizer.step()
             losses.append(loss.item())
         assert losses[-1] < losses[0] * 0.9
-        assert all(torch.equal(q.weight, b) for q, b in zip(quantized, before))
+        assert all(torch.equal(q.weight, b) for q, b in zip(quantized, before, strict=True))
         # Preparing the same model again changes nothing.
         assert rt.wrap_model(model) is model
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from sakura_quant.formats import QuantizedWeight
     from sakura_quant.linear import QuantizedLinear
+    from sakura_quant.loading import load_model
     from sakura_quant.quantize import quantize_model
     from sakura_quant.service import QuantizedBase
     from sakura_quant.weights import dequantize_weight, quantize_weight
@@ -23,6 +24,7 @@ _EXPORTS = {
     "QuantizedBase": "sakura_quant.service",
     "QuantizedLinear": "sakura_quant.linear",
     "QuantizedWeight": "sakura_quant.formats",
+    "load_model": "sakura_quant.loading",
     "quantize_model": "sakura_quant.quantize",
     "dequantize_weight": "sakura_quant.weights",
     "quantize_weight": "sakura_quant.weights",
@@ -33,6 +35,7 @@ __all__ = [
     "QuantizedLinear",
     "QuantizedWeight",
     "dequantize_weight",
+    "load_model",
     "quantize_model",
     "quantize_weight",
 ]

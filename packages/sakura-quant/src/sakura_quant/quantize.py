@@ -41,9 +41,11 @@ def _in_adapter(name: str, adapters: list[str]) -> bool:
     return any(name == a or name.startswith(a + ".") for a in adapters)
 
 
-def _find_targets(
+def find_targets(
     model: nn.Module, targets: tuple[str, ...] | None, skip: tuple[str, ...]
 ) -> list[tuple[str, nn.Linear]]:
+    """The ``nn.Linear`` modules to quantize, by name; errors for a name that is missing, not
+    a Linear, or already quantized."""
     modules = dict(model.named_modules())
     adapters = _adapter_names(modules)
     given: list[tuple[str, str, nn.Module]] = []  # (what the caller wrote, name, module)
@@ -129,7 +131,7 @@ def quantize_model(
     if not isinstance(model, nn.Module):
         raise option_error("model", model, "a torch.nn.Module", owner=_OWNER)
 
-    found = _find_targets(model, wanted, skipped)
+    found = find_targets(model, wanted, skipped)
     if not freeze:
         for name, module in found:
             if module.weight.requires_grad:

@@ -1,0 +1,214 @@
+"""``load_model``: build a model from a safetensors checkpoint, quantizing while reading.
+
+Each tensor is read on its own (``safetensors.safe_open``): a target ``nn.Linear`` weight is
+quantized as soon as it is read and only its codes and scales are kept, so the peak memory
+is the quantized model plus the working copies of one tensor, never the full-precision model.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from sakura.options import check_bool, check_choice, option_error
+from sakura_quant.linear import QuantizedLinear
+from sakura_quant.options import (
+    FORMAT_NAMES,
+    check_block_size,
+    check_double_quant,
+    check_names,
+)
+from sakura_quant.quantize import DEFAULT_SKIP, find_targets
+from sakura_quant.weights import quantize_weight
+
+__all__ = ["load_model"]
+
+_OWNER = "load_model"
+_NO_QUANT = (None, False, "none")
+_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
+
+
+def _safetensors() -> Any:
+    try:
+        import safetensors
+    except ImportError as exc:  # pragma: no cover - the hf extra installs it
+        raise ImportError(
+            "load_model reads safetensors checkpoints: pip install 'sakura-quant[hf]'"
+        ) from exc
+    return safetensors
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: a file, or a folder's ``*.safetensors`` (in the
+    order of its ``model.safetensors.index.json`` when there is one)."""
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise option_error("path", str(path), "a .safetensors file or a folder", owner=_OWNER)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise option_error("path", str(path), "a folder holding *.safetensors files", owner=_OWNER)
+    return files
+
+
+def _hf_skeleton(path: Path, trust_remote_code: bool) -> nn.Module:
+    """A transformers causal LM from ``path``'s config, its parameters on the meta device
+    (no memory) and its non-persistent buffers (rotary tables) real."""
+    try:
+        from accelerate import init_empty_weights  # type: ignore[import-untyped]
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError as exc:  # pragma: no cover - the hf extra installs them
+        raise ImportError(
+            "load_model without model= builds a transformers model: "
+            "pip install 'sakura-quant[hf]' (transformers, accelerate)"
+        ) from exc
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    with init_empty_weights(include_buffers=False):
+        model: nn.Module = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+            config, trust_remote_code=trust_remote_code
+        )
+    return model
+
+
+class _Reader:
+    """Reads single tensors from a set of safetensors files, by key."""
+
+    def __init__(self, files: list[Path], stack: ExitStack) -> None:
+        safe_open = _safetensors().safe_open
+        self._where: dict[str, Any] = {}
+        for file in files:
+            handle = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+            for key in handle.keys():  # noqa: SIM118 (safe_open handles are not iterable)
+                self._where[key] = handle
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._where
+
+    def read(self, key: str) -> torch.Tensor:
+        tensor: torch.Tensor = self._where[key].get_tensor(key)
+        return tensor
+
+
+def _own_tensors(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, bool]]:
+    """(key, module, attribute, is_parameter) for every parameter and persistent buffer."""
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        for attr, value in list(module._parameters.items()):
+            if value is not None:
+                yield prefix + attr, module, attr, True
+        for attr, value in list(module._buffers.items()):
+            if value is not None and attr not in module._non_persistent_buffers_set:
+                yield prefix + attr, module, attr, False
+
+
+def load_model(
+    path: str | Path,
+    quantize: Any = "nf4",
+    *,
+    model: nn.Module | None = None,
+    dtype: torch.dtype | None = None,
+    block_size: int | None = None,
+    double_quant: bool = False,
+    targets: Any = None,
+    skip: Any = DEFAULT_SKIP,
+    trust_remote_code: bool = False,
+) -> nn.Module:
+    """Build a frozen model from a safetensors checkpoint, quantizing while it reads.
+
+    Args:
+        path: a ``.safetensors`` file, or a folder of them (sharded, with or without
+            ``model.safetensors.index.json``; with ``config.json`` when ``model`` is None).
+        quantize: ``"nf4"``, ``"int8"``, ``"fp8"``, ``"nvfp4"``, or ``None`` / ``False`` /
+            ``"none"`` to load without quantizing.
+        model: the module to fill (its parameters may be on the meta device); ``None``
+            builds a transformers ``AutoModelForCausalLM`` from ``path/config.json``.
+        dtype: ``None`` (as stored), ``torch.float32``, ``torch.bfloat16``, ``torch.float16``:
+            the dtype of the tensors kept and the compute dtype of the quantized layers.
+        block_size, double_quant, targets, skip: as for :func:`~sakura_quant.quantize_model`.
+        trust_remote_code: passed to transformers when ``model`` is None.
+
+    Every parameter comes back frozen (``requires_grad=False``): put LoRA on it with PEFT.
+    A key the model has and the checkpoint lacks is an error, unless the model ties it to
+    another (``tie_weights()`` runs for transformers models).
+    """
+    fmt: str | None
+    if any(quantize is v for v in (None, False)) or quantize == "none":
+        fmt = None
+    else:
+        fmt = str(
+            check_choice("quantize", quantize, (*FORMAT_NAMES, "none", None, False), owner=_OWNER)
+        )
+    size = check_block_size(fmt, block_size, owner=_OWNER) if fmt else None
+    dq = check_double_quant(fmt, double_quant, owner=_OWNER) if fmt else False
+    if not fmt:
+        check_bool("double_quant", double_quant, owner=_OWNER)
+    wanted = check_names("targets", targets, owner=_OWNER, allow_none=True)
+    skipped = check_names("skip", skip, owner=_OWNER, allow_none=False) or ()
+    check_choice("dtype", dtype, _DTYPES, owner=_OWNER)
+    check_bool("trust_remote_code", trust_remote_code, owner=_OWNER)
+    if model is not None and not isinstance(model, nn.Module):
+        raise option_error("model", model, "None or a torch.nn.Module", owner=_OWNER)
+    root = Path(path)
+    files = checkpoint_files(root)
+    if model is None:
+        model = _hf_skeleton(root if root.is_dir() else root.parent, trust_remote_code)
+
+    with ExitStack() as stack:
+        reader = _Reader(files, stack)
+        if fmt is not None:
+            for name, linear in find_targets(model, wanted, skipped):
+                weight_key = f"{name}.weight"
+                if weight_key not in reader:
+                    continue  # tied or missing: reported below
+                weight = reader.read(weight_key)
+                if dtype is not None:
+                    weight = weight.to(dtype)
+                qweight = quantize_weight(weight, fmt, block_size=size, double_quant=dq)
+                del weight
+                bias = None
+                if linear.bias is not None:
+                    bias = _cast(reader.read(f"{name}.bias"), dtype)
+                layer = QuantizedLinear(qweight, bias)
+                layer.requires_grad_(False)
+                parent_name, _, attr = name.rpartition(".")
+                setattr(model.get_submodule(parent_name) if parent_name else model, attr, layer)
+        for key, module, attr, is_param in _own_tensors(model):
+            if isinstance(module, QuantizedLinear) or key not in reader:
+                continue
+            tensor = _cast(reader.read(key), dtype)
+            if is_param:
+                module._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
+            else:
+                module._buffers[attr] = tensor
+    tie = getattr(model, "tie_weights", None)
+    if callable(tie):
+        tie()
+    missing = [key for key, m, a, p in _own_tensors(model) if _is_meta(m, a, p)]
+    if missing:
+        raise KeyError(
+            f"load_model: the checkpoint at {root} lacks {missing[:8]}"
+            + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        )
+    model.requires_grad_(False)
+    return model
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    if dtype is None or not tensor.is_floating_point():
+        return tensor
+    return tensor.to(dtype)
+
+
+def _is_meta(module: nn.Module, attr: str, is_param: bool) -> bool:
+    value = module._parameters[attr] if is_param else module._buffers[attr]
+    return value is not None and value.is_meta
