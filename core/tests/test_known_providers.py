@@ -4,6 +4,7 @@ them all); where none is installed the check skips."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from importlib import metadata
 
@@ -91,3 +92,10 @@ def test_a_drifted_provider_table_is_caught() -> None:
 def test_every_known_spec_name_is_snake_case() -> None:
     spec_names = [name for name in KNOWN_PROVIDERS if name[0].islower()]
     assert spec_names and all(name == normalize_name(name) for name in spec_names), spec_names
+
+
+def test_the_cores_own_spec_names_are_snake_case() -> None:
+    manager = PluginManager(plugins=[], disabled=[], autoload=False)  # sakura-core's own only
+    names = [name for kind in KINDS for name in manager.registry(kind).names()]
+    assert names == ["telemetry"]
+    assert all(re.fullmatch(r"[a-z][a-z0-9]*(_[a-z0-9]+)*", name) for name in names)
