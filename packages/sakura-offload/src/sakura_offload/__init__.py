@@ -1,0 +1,32 @@
+"""sakura-offload: AdamW with its moments and fp32 master weights in host RAM, updated by a
+vectorised, multi-threaded C++ kernel (built on first use, cached) or a pure-torch path.
+
+``OffloadAdamW`` is a ``torch.optim.Optimizer``; ``OffloadAdamWService`` (spec string
+``offload_adamw``) swaps a loop's AdamW for it through ``rt.prepare`` / ``wrap_optimizer``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sakura_offload.optimizer import OffloadAdamW
+    from sakura_offload.service import OffloadAdamWService
+
+# Exports load on first use: the plugin module (sakura_offload.plugin) is imported whenever
+# sakura lists plugins, and that must not import torch.
+_EXPORTS = {
+    "OffloadAdamW": "sakura_offload.optimizer",
+    "OffloadAdamWService": "sakura_offload.service",
+}
+
+__all__ = ["OffloadAdamW", "OffloadAdamWService"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'sakura_offload' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

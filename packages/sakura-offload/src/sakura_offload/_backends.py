@@ -1,0 +1,188 @@
+"""The two implementations of one AdamW update: the C++ kernel and pure torch.
+
+Both take flat, contiguous float32 host tensors for the weights and gradients and the
+moment storage of one of the three formats (:mod:`sakura_offload._formats`), and update
+them in place with the same operations in the same order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from sakura_offload import _formats as fmt
+from sakura_offload._kernel import Kernel
+
+__all__ = ["Backend", "Hyper", "KernelBackend", "TorchBackend"]
+
+
+@dataclass(frozen=True, slots=True)
+class Hyper:
+    """The scalars of one tensor's update at one step (see ``csrc/host_adamw.cpp``)."""
+
+    decay: float  # 1 - lr * weight_decay
+    w1: float  # 1 - beta1
+    beta2: float
+    c2: float  # 1 - beta2
+    eps: float
+    neg_step: float  # -lr / (1 - beta1**t)
+    bc2_sqrt: float  # sqrt(1 - beta2**t)
+    grad_scale: float  # clipping coefficient, 1.0 without clipping
+    key: int  # 32-bit key of the stochastic-rounding stream
+
+    def floats(self) -> tuple[float, ...]:
+        return (
+            self.decay,
+            self.w1,
+            self.beta2,
+            self.c2,
+            self.eps,
+            self.neg_step,
+            self.bc2_sqrt,
+            self.grad_scale,
+        )
+
+
+class Backend(Protocol):
+    name: str
+
+    def fp32(
+        self, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: Hyper
+    ) -> None: ...
+
+    def bf16(
+        self, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: Hyper
+    ) -> None: ...
+
+    def int8(
+        self,
+        p: torch.Tensor,
+        g: torch.Tensor,
+        m_codes: torch.Tensor,
+        m_absmax: torch.Tensor,
+        s_codes: torch.Tensor,
+        s_absmax: torch.Tensor,
+        h: Hyper,
+    ) -> None: ...
+
+
+class KernelBackend:
+    """Calls the C++ kernel (vectorised, OpenMP threads = ``torch.get_num_threads()``)."""
+
+    name = "cpp"
+
+    def __init__(self, kernel: Kernel) -> None:
+        self.kernel = kernel
+
+    def fp32(
+        self, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: Hyper
+    ) -> None:
+        self.kernel.fp32(
+            p.data_ptr(),
+            g.data_ptr(),
+            m.data_ptr(),
+            v.data_ptr(),
+            p.numel(),
+            *h.floats(),
+            torch.get_num_threads(),
+        )
+
+    def bf16(
+        self, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: Hyper
+    ) -> None:
+        self.kernel.bf16(
+            p.data_ptr(),
+            g.data_ptr(),
+            m.data_ptr(),
+            v.data_ptr(),
+            p.numel(),
+            *h.floats(),
+            h.key,
+            torch.get_num_threads(),
+        )
+
+    def int8(
+        self,
+        p: torch.Tensor,
+        g: torch.Tensor,
+        m_codes: torch.Tensor,
+        m_absmax: torch.Tensor,
+        s_codes: torch.Tensor,
+        s_absmax: torch.Tensor,
+        h: Hyper,
+    ) -> None:
+        self.kernel.int8(
+            p.data_ptr(),
+            g.data_ptr(),
+            m_codes.data_ptr(),
+            m_absmax.data_ptr(),
+            s_codes.data_ptr(),
+            s_absmax.data_ptr(),
+            fmt.SIGNED_TABLE.data_ptr(),
+            fmt.UNSIGNED_TABLE.data_ptr(),
+            p.numel(),
+            *h.floats(),
+            h.key,
+            torch.get_num_threads(),
+        )
+
+
+def _adam(
+    p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: Hyper
+) -> torch.Tensor:
+    """torch.optim.AdamW's single-tensor arithmetic on float32 ``m`` / ``v`` (in place);
+    returns ``sqrt(v)``."""
+    if h.grad_scale != 1.0:
+        g = g * h.grad_scale
+    p.mul_(h.decay)
+    m.lerp_(g, h.w1)
+    v.mul_(h.beta2).addcmul_(g, g, value=h.c2)
+    root = v.sqrt()
+    p.addcdiv_(m, (root / h.bc2_sqrt).add_(h.eps), value=h.neg_step)
+    return root
+
+
+class TorchBackend:
+    """Pure torch: the fallback when the kernel cannot be built, and the reference the
+    kernel is tested against."""
+
+    name = "torch"
+
+    def fp32(
+        self, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: Hyper
+    ) -> None:
+        _adam(p, g, m, v, h)
+
+    def bf16(
+        self, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: Hyper
+    ) -> None:
+        m32, v32 = m.float(), v.float()
+        _adam(p, g, m32, v32, h)
+        bits = fmt.element_bits(h.key, p.numel())
+        m.copy_(fmt.bf16_stochastic(m32, bits & 0xFFFF))
+        v.copy_(fmt.bf16_stochastic(v32, bits >> 16))
+
+    def int8(
+        self,
+        p: torch.Tensor,
+        g: torch.Tensor,
+        m_codes: torch.Tensor,
+        m_absmax: torch.Tensor,
+        s_codes: torch.Tensor,
+        s_absmax: torch.Tensor,
+        h: Hyper,
+    ) -> None:
+        n = p.numel()
+        m = fmt.decode_signed(m_codes, m_absmax, n).clone()
+        s_old = fmt.decode_unsigned(s_codes, s_absmax, n)
+        v = s_old * s_old
+        root = _adam(p, g, m, v, h)
+        codes, absmax = fmt.quantize_blocks(m, signed=True)
+        m_codes.copy_(codes)
+        m_absmax.copy_(absmax)
+        bits = fmt.element_bits(h.key, s_codes.numel())
+        codes, absmax = fmt.quantize_blocks(root, signed=False, bits=bits)
+        s_codes.copy_(codes)
+        s_absmax.copy_(absmax)

@@ -1,0 +1,397 @@
+"""OffloadAdamW: AdamW with its moments and fp32 master weights in host RAM.
+
+The update of every tensor runs on the host, in the C++ kernel (:mod:`sakura_offload._kernel`)
+or, when that cannot be built, in pure torch (:mod:`sakura_offload._backends`).  Parameters
+that are not contiguous fp32 CPU tensors (bf16/fp16 weights, weights on an accelerator) get
+an fp32 master copy in host RAM: the update runs on the master and the result is copied
+back, rounded to the parameter's dtype.
+
+Every parameter carries a post-accumulate-grad hook that counts backward passes: more than
+``accumulation_steps`` of them before ``step()`` / ``zero_grad()`` raise, and with
+``eager=True`` the tensor's update runs in that hook as soon as its last gradient of the
+step has landed, during backward.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, cast
+
+import torch
+
+from sakura_offload import _formats as fmt
+from sakura_offload._backends import Backend, Hyper, KernelBackend, TorchBackend
+from sakura_offload._kernel import load_kernel
+from sakura_offload._options import check_group, check_optimizer_options
+
+__all__ = ["OffloadAdamW", "resolve_backend"]
+
+_MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+_INT8_KEYS = ("exp_avg_codes", "exp_avg_absmax", "exp_avg_sq_sqrt_codes", "exp_avg_sq_sqrt_absmax")
+_IMPORT_STREAM = 0x5EED5EED  # distinguishes the rounding stream of a state import
+
+
+def resolve_backend(name: str) -> Backend:
+    """``"cpp"``: the C++ kernel (raises when it cannot be built); ``"torch"``: pure
+    torch; ``"auto"``: the kernel when it builds (and ``SAKURA_OFFLOAD_NO_KERNEL`` is not
+    set), else pure torch."""
+    if name == "torch":
+        return TorchBackend()
+    kernel = load_kernel(required=name == "cpp")
+    return KernelBackend(kernel) if kernel is not None else TorchBackend()
+
+
+def _is_direct(p: torch.Tensor) -> bool:
+    """True when the update can run on the parameter itself (no master copy)."""
+    return p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous()
+
+
+def _grad_hook(ref: weakref.ReferenceType[OffloadAdamW]) -> Callable[[torch.Tensor], None]:
+    def hook(param: torch.Tensor) -> None:
+        optimizer = ref()
+        if optimizer is not None:
+            optimizer._grad_landed(param)
+
+    return hook
+
+
+class OffloadAdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, as :class:`torch.optim.AdamW`) whose moments and fp32
+    master weights live in host RAM and whose update runs in a vectorised, multi-threaded
+    C++ kernel.
+
+    Args:
+        params: parameters or param groups, as for any torch optimizer.
+        lr, betas, eps, weight_decay: as :class:`torch.optim.AdamW` (per group).
+        moment_dtype: ``"float32"``/``"fp32"``/``torch.float32`` (exact AdamW),
+            ``"bfloat16"``/``"bf16"``/``torch.bfloat16`` (stochastic rounding; 4 bytes per
+            parameter instead of 8) or ``"int8"``/``"8bit"`` (blockwise 8-bit, 2 bytes per
+            parameter plus one fp32 absmax per 256 values; see :mod:`sakura_offload._formats`).
+        max_grad_norm: clip the total 2-norm of all gradients to this (the result of
+            ``torch.nn.utils.clip_grad_norm_`` followed by AdamW; the gradients themselves are
+            left unchanged); ``last_grad_norm`` holds the norm measured.
+        accumulation_steps: backward passes per ``step()``; one more before ``step()`` or
+            ``zero_grad()`` raises.
+        eager: update each tensor during backward as soon as its last gradient of the step
+            lands (``None`` means off: a loop that reads gradients between backward and
+            ``step()``, for clipping or loss scaling, would be silently wrong otherwise).
+        backend: ``"auto"`` (C++ kernel, pure torch if it cannot be built), ``"cpp"``,
+            ``"torch"``.
+        seed: seed of the stochastic-rounding streams (bf16 and int8 moments).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        moment_dtype: Any = "float32",
+        max_grad_norm: float | None = None,
+        accumulation_steps: int = 1,
+        eager: bool | None = None,
+        backend: str = "auto",
+        seed: int = 0,
+    ) -> None:
+        options = check_optimizer_options(
+            moment_dtype=moment_dtype,
+            max_grad_norm=max_grad_norm,
+            accumulation_steps=accumulation_steps,
+            eager=eager,
+            backend=backend,
+            seed=seed,
+        )
+        self.moment_dtype: str = options["moment_dtype"]
+        self.max_grad_norm: float | None = options["max_grad_norm"]
+        self.accumulation_steps: int = options["accumulation_steps"]
+        self.eager: bool = options["eager"]
+        self.seed: int = options["seed"]
+        self.last_grad_norm: float | None = None
+        self._hooks: list[Any] = []
+        self._index: dict[torch.Tensor, int] = {}
+        self._group_of: dict[torch.Tensor, dict[str, Any]] = {}
+        self._counts: dict[torch.Tensor, int] = {}
+        self._updated: set[torch.Tensor] = set()
+        self._replaced: list[weakref.ReferenceType[torch.optim.Optimizer]] = []
+        defaults = {
+            "lr": lr,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "amsgrad": False,
+            "maximize": False,
+        }
+        check_group(dict(defaults))
+        super().__init__(params, defaults)
+        self.backend: Backend = resolve_backend(options["backend"])
+
+    # --- construction -------------------------------------------------------------------
+
+    @classmethod
+    def from_optimizer(cls, optimizer: torch.optim.Optimizer, **options: Any) -> OffloadAdamW:
+        """An OffloadAdamW that takes over ``optimizer`` (a :class:`torch.optim.AdamW`, or a
+        :class:`torch.optim.Adam` without weight decay): the same param-group dicts (so LR
+        schedulers built on ``optimizer`` keep working), its hyper-parameters and its state
+        (moved to host RAM, in ``moment_dtype``).  ``optimizer``'s own state is released."""
+        if isinstance(optimizer, OffloadAdamW):
+            return optimizer
+        decoupled = isinstance(optimizer, torch.optim.AdamW) or any(
+            g.get("decoupled_weight_decay", False) for g in optimizer.param_groups
+        )
+        if not isinstance(optimizer, torch.optim.Adam) or (
+            not decoupled and any(g.get("weight_decay", 0) for g in optimizer.param_groups)
+        ):
+            raise TypeError(
+                "OffloadAdamW.from_optimizer takes a torch.optim.AdamW (or an Adam without "
+                f"weight decay, which is the same update); got {type(optimizer).__name__}"
+            )
+        saved = optimizer.state_dict()
+        groups = optimizer.param_groups
+        offload = cls(groups, **options)
+        offload.load_state_dict(saved)
+        optimizer.state.clear()
+        offload._replaced.append(weakref.ref(optimizer))
+        return offload
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        check_group(group)
+        for p in group["params"]:
+            if p.is_complex():
+                raise TypeError("OffloadAdamW does not support complex parameters")
+            if not p.is_floating_point():
+                raise TypeError(f"OffloadAdamW needs floating-point parameters, got {p.dtype}")
+            self._index[p] = len(self._index)
+            self._group_of[p] = group
+            if p.requires_grad:
+                self._hooks.append(
+                    p.register_post_accumulate_grad_hook(_grad_hook(weakref.ref(self)))
+                )
+
+    def detach(self) -> None:
+        """Remove the gradient hooks (backward passes are no longer counted, eager updates
+        stop).  The optimizer still steps."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    # --- backward-time bookkeeping ------------------------------------------------------
+
+    def _grad_landed(self, p: torch.Tensor) -> None:
+        count = self._counts.get(p, 0) + 1
+        self._counts[p] = count
+        if count > self.accumulation_steps:
+            raise RuntimeError(
+                f"OffloadAdamW: backward pass {count} reached a parameter since the last "
+                f"step(), but accumulation_steps={self.accumulation_steps}; call step() (or "
+                f"zero_grad()) after every {self.accumulation_steps} backward pass(es), or "
+                "create the optimizer with accumulation_steps=<backward passes per step>"
+            )
+        if self.eager and count == self.accumulation_steps:
+            with torch.no_grad():
+                self._update(p, self._group_of[p], 1.0)
+            self._updated.add(p)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self._counts.clear()
+        self._updated.clear()
+
+    # --- the step -----------------------------------------------------------------------
+
+    def _clip_coefficient(self) -> float:
+        grads = [
+            p.grad for group in self.param_groups for p in group["params"] if p.grad is not None
+        ]
+        if not grads or self.max_grad_norm is None:
+            return 1.0
+        norms = [torch.linalg.vector_norm(g.detach(), 2.0) for g in grads]
+        device = norms[0].device
+        total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), 2.0)
+        self.last_grad_norm = float(total)
+        coef = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
+        return float(coef)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One AdamW step for every parameter that has a gradient and was not already
+        updated eagerly during backward."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        scale = self._clip_coefficient()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None or p in self._updated:
+                    continue
+                self._update(p, group, scale)
+        self._counts.clear()
+        self._updated.clear()
+        for ref in self._replaced:
+            # LR schedulers built on the optimizer this one replaced check that it stepped
+            # (torch's private flag); it did, through this one.
+            replaced = ref()
+            if replaced is not None:
+                replaced._opt_called = True  # type: ignore[attr-defined]
+        return loss
+
+    def _init_state(self, p: torch.Tensor, state: dict[str, Any]) -> None:
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        if not _is_direct(p):
+            state["master"] = p.detach().to("cpu", torch.float32, copy=True).contiguous()
+        if self.moment_dtype == "int8":
+            size = fmt.blocks_for(p.numel())
+            state["exp_avg_codes"] = torch.zeros(size * fmt.BLOCK, dtype=torch.uint8)
+            state["exp_avg_absmax"] = torch.zeros(size, dtype=torch.float32)
+            state["exp_avg_sq_sqrt_codes"] = torch.zeros(size * fmt.BLOCK, dtype=torch.uint8)
+            state["exp_avg_sq_sqrt_absmax"] = torch.zeros(size, dtype=torch.float32)
+        else:
+            dtype = torch.float32 if self.moment_dtype == "float32" else torch.bfloat16
+            for key in _MOMENT_KEYS:
+                state[key] = torch.zeros(p.shape, dtype=dtype)
+
+    def _update(self, p: torch.Tensor, group: dict[str, Any], grad_scale: float) -> None:
+        grad = p.grad
+        if grad is None:
+            return
+        if grad.is_sparse:
+            raise RuntimeError("OffloadAdamW does not support sparse gradients")
+        state = self.state[p]
+        if not state:
+            self._init_state(p, state)
+        state["step"] += 1
+        step = int(state["step"].item())
+        beta1, beta2 = group["betas"]
+        lr = group["lr"]
+        h = Hyper(
+            decay=1.0 - lr * group["weight_decay"],
+            w1=1.0 - beta1,
+            beta2=beta2,
+            c2=1.0 - beta2,
+            eps=group["eps"],
+            neg_step=-(lr / (1.0 - beta1**step)),
+            bc2_sqrt=math.sqrt(1.0 - beta2**step),
+            grad_scale=grad_scale,
+            key=fmt.stream_key(self.seed, step, self._index[p]),
+        )
+        master = state.get("master")
+        work = master if master is not None else p.detach()
+        flat = work.view(-1)
+        g = grad.detach().to("cpu", torch.float32).contiguous().view(-1)
+        if self.moment_dtype == "float32":
+            self.backend.fp32(flat, g, state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1), h)
+        elif self.moment_dtype == "bfloat16":
+            self.backend.bf16(flat, g, state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1), h)
+        else:
+            codes, absmax, s_codes, s_absmax = (state[k] for k in _INT8_KEYS)
+            self.backend.int8(flat, g, codes, absmax, s_codes, s_absmax, h)
+        if master is not None:
+            p.detach().copy_(master.view(p.shape))
+
+    # --- state dicts --------------------------------------------------------------------
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def state_dict(self) -> dict[str, Any]:
+        """As :meth:`torch.optim.AdamW.state_dict`: per parameter ``step``, ``exp_avg`` and
+        ``exp_avg_sq`` (always float32, in the parameter's shape), plus ``master`` (the fp32
+        master weights) for parameters that have one."""
+        packed = super().state_dict()
+        params = self._params()
+        packed["state"] = {
+            index: self._export_state(params[index], state)
+            for index, state in packed["state"].items()
+        }
+        return packed
+
+    def _export_state(self, p: torch.Tensor, state: Mapping[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {"step": state["step"]}
+        if self.moment_dtype == "int8":
+            n = p.numel()
+            codes, absmax, s_codes, s_absmax = (state[k] for k in _INT8_KEYS)
+            out["exp_avg"] = fmt.decode_signed(codes, absmax, n).reshape(p.shape)
+            root = fmt.decode_unsigned(s_codes, s_absmax, n).reshape(p.shape)
+            out["exp_avg_sq"] = root * root
+        else:
+            for key in _MOMENT_KEYS:
+                out[key] = state[key].float()
+        if "master" in state:
+            out["master"] = state["master"].view(p.shape)
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a state dict of this class or of :class:`torch.optim.AdamW` (moments of any
+        float dtype, converted to ``moment_dtype``; masters taken from the parameters when the
+        dict has none)."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"OffloadAdamW.load_state_dict: the state has {len(saved_groups)} param "
+                f"group(s), the optimizer {len(self.param_groups)}"
+            )
+        by_id: dict[Any, torch.Tensor] = {}
+        for group, saved in zip(self.param_groups, saved_groups, strict=True):
+            if len(group["params"]) != len(saved["params"]):
+                raise ValueError(
+                    "OffloadAdamW.load_state_dict: a param group's size differs from the "
+                    f"state's ({len(group['params'])} against {len(saved['params'])})"
+                )
+            by_id.update(zip(saved["params"], group["params"], strict=True))
+        for group, saved in zip(self.param_groups, saved_groups, strict=True):
+            update = {
+                k: v
+                for k, v in saved.items()
+                if k in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "initial_lr")
+            }
+            candidate = {**group, **update}
+            check_group(candidate)
+            group.update({k: candidate[k] for k in update})
+        self.state.clear()
+        for key, saved_state in state_dict["state"].items():
+            if key not in by_id:
+                raise ValueError(
+                    f"OffloadAdamW.load_state_dict: state for parameter id {key!r}, which no "
+                    "param group lists"
+                )
+            p = by_id[key]
+            self.state[p] = self._import_state(p, saved_state)
+
+    def _import_state(self, p: torch.Tensor, saved: Mapping[str, Any]) -> dict[str, Any]:
+        state: dict[str, Any] = {}
+        if "exp_avg" not in saved or "exp_avg_sq" not in saved:
+            return state
+        step = saved.get("step", 0)
+        step_value = float(step.item() if isinstance(step, torch.Tensor) else step)
+        state["step"] = torch.tensor(step_value, dtype=torch.float32)
+        master = saved.get("master")
+        if master is not None:
+            state["master"] = master.detach().to("cpu", torch.float32, copy=True).contiguous()
+        elif not _is_direct(p):
+            state["master"] = p.detach().to("cpu", torch.float32, copy=True).contiguous()
+        if "master" in state and state["master"].numel() != p.numel():
+            raise ValueError("OffloadAdamW.load_state_dict: a master weight has the wrong size")
+        moments = [
+            cast(torch.Tensor, saved[k]).detach().to("cpu", torch.float32).reshape(p.shape)
+            for k in _MOMENT_KEYS
+        ]
+        if self.moment_dtype == "int8":
+            flat_m, flat_v = (t.reshape(-1) for t in moments)
+            codes, absmax = fmt.quantize_blocks(flat_m, signed=True)
+            key = fmt.stream_key(self.seed ^ _IMPORT_STREAM, int(step_value), self._index[p])
+            bits = fmt.element_bits(key, codes.numel())
+            s_codes, s_absmax = fmt.quantize_blocks(
+                flat_v.clamp(min=0).sqrt(), signed=False, bits=bits
+            )
+            state.update(zip(_INT8_KEYS, (codes, absmax, s_codes, s_absmax), strict=True))
+        else:
+            dtype = torch.float32 if self.moment_dtype == "float32" else torch.bfloat16
+            for k, t in zip(_MOMENT_KEYS, moments, strict=True):
+                state[k] = t.to(dtype, copy=True).contiguous()
+        return state

@@ -1,0 +1,15 @@
+"""sakura-offload's plugin module (entry point ``sakura``): registers the service lazily, so
+listing plugins never imports torch."""
+
+from __future__ import annotations
+
+from sakura.hookspecs import Register, hookimpl
+
+
+@hookimpl
+def sakura_register_services(register: Register) -> None:
+    register(
+        "offload_adamw",
+        "sakura_offload.service:OffloadAdamWService",
+        description="AdamW with moments and fp32 master weights in host RAM (C++ kernel)",
+    )

@@ -1,0 +1,64 @@
+"""Small models and data shared by the tests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+BATCHES = 30
+
+
+def mlp(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 300), torch.nn.GELU(), torch.nn.Linear(300, 10))
+    return model.to(dtype)
+
+
+def batches(n: int = BATCHES) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(16, 32, generator=g), torch.randn(16, 10, generator=g)) for _ in range(n)]
+
+
+def loss_of(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    dtype = next(model.parameters()).dtype
+    return torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y)
+
+
+def train(
+    make: Callable[[Iterable[torch.nn.Parameter]], Any],
+    steps: int = 20,
+    *,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.nn.Module, Any]:
+    model = mlp(dtype)
+    optimizer = make(model.parameters())
+    for batch in batches(steps):
+        optimizer.zero_grad()
+        loss_of(model, batch).backward()
+        optimizer.step()
+    return model, optimizer
+
+
+def max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    return max(
+        (x.detach().float() - y.detach().float()).abs().max().item()
+        for x, y in zip(a.parameters(), b.parameters(), strict=True)
+    )
+
+
+def drift(candidate: torch.nn.Module, reference: torch.nn.Module) -> float:
+    """||candidate - reference|| / ||reference - start||: how far the candidate's weights
+    are from the reference's, as a fraction of how far the reference moved them."""
+    start = mlp()
+    num = sum(
+        ((x.detach().float() - y.detach()) ** 2).sum()
+        for x, y in zip(candidate.parameters(), reference.parameters(), strict=True)
+    )
+    den = sum(
+        ((x.detach() - y.detach()) ** 2).sum()
+        for x, y in zip(start.parameters(), reference.parameters(), strict=True)
+    )
+    return float((num / den) ** 0.5)
