@@ -152,3 +152,18 @@ def test_auto_reporting_uses_a_trainer_state_carried_by_the_train_begin_event() 
         rt.emit(OnEpochEnd, epoch=0, step=4, model=model)
         rt.emit(OnTrainEnd, epoch=0, step=4, model=model)
     assert state.log_history == [{"async_loss": val_loss(model), "epoch": 1.0, "step": 4}]
+
+
+@pytest.mark.parametrize("how", ["sakura-trainer", "attach"])
+def test_without_dir_checkpoints_go_to_the_trainers_output_dir(tmp_path: Path, how: str) -> None:
+    with SakuraRuntime(strict=True) as rt:
+        ckpt = rt.install(AsyncCheckpoint(every=1, keep=1, dispatcher="inthread"))
+        trainer_cls = SakuraTrainer if how == "sakura-trainer" else Trainer
+        trainer = make_trainer(rt, tmp_path, SyncReference(), trainer_cls)
+        if how == "attach":
+            ckpt.attach(trainer)
+        trainer.train()
+    out = tmp_path / "out" / "async_checkpoint"
+    assert ckpt.dir == str(out) and not ckpt.errors
+    latest = load_latest(out)
+    assert latest is not None and latest.step == STEPS * EPOCHS

@@ -189,3 +189,18 @@ def test_async_checkpoint_torch_format_under_lightning(tmp_path: Path, overlap: 
         assert set(state) == {"model", "optimizer"}
         assert state["optimizer"]["param_groups"][0]["momentum"] == 0.9
         assert all(torch.equal(state["model"][k], v) for k, v in weights.after[c.step].items())
+
+
+def test_without_dir_checkpoints_go_to_the_trainers_default_root_dir(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    root = tmp_path / "run"
+    with SakuraRuntime(strict=True) as rt:
+        ckpt = rt.install(AsyncCheckpoint(every=1, keep=1, dispatcher="inthread"))
+        assert ckpt.dir is None
+        make_trainer(rt, root, max_epochs=2).fit(Tiny(), DataLoader(data(), batch_size=BATCH))
+    assert ckpt.dir == str(root / "async_checkpoint") and not ckpt.errors
+    latest = load_latest(root / "async_checkpoint")
+    assert latest is not None and latest.epoch == 1
+    assert not (tmp_path / "checkpoints").exists()

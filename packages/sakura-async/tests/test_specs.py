@@ -101,7 +101,7 @@ def test_options_the_service_does_not_take_go_to_the_dispatcher() -> None:
         ("async_eval:thread,eval_fn=x", "eval_fn cannot be given in a spec string"),
         ("async_eval:thread,every=0", "every=0 is not accepted; accepted: an int >= 1"),
         ("async_eval:thread,fn=json:dumps", "cannot be called with two positional"),
-        ("async_checkpoint:thread,every=often", "every must be"),
+        ("async_checkpoint:thread,every=often", "every='often' is not accepted"),
         ("async_checkpoint:thread,state_provider=x", "state_provider cannot be given"),
     ],
 )
@@ -123,8 +123,9 @@ def test_async_checkpoint_by_name(tmp_path: Path) -> None:
         "safetensors",
     )
     assert service.dir == str(tmp_path)
-    default = create("service", "async_checkpoint")
-    assert default.dir == os.path.abspath("checkpoints") and default.unit == "epochs"
+    default = create("service", "async_checkpoint")  # no silent ./checkpoints
+    assert default.dir is None and default.unit == "epochs"
+    assert default.use_output_dir(tmp_path / "run").dir == str(tmp_path / "run" / default.name)
     best = create(
         "service", f"async_checkpoint:inthread,dir={tmp_path},every=best,metric=val_loss,mode=max"
     )

@@ -21,7 +21,13 @@ from typing import Any
 
 from sakura.options import option_error
 
-__all__ = ["Reporter", "lightning_trainer_of", "make_reporter", "numeric_metrics"]
+__all__ = [
+    "Reporter",
+    "lightning_trainer_of",
+    "make_reporter",
+    "numeric_metrics",
+    "output_dir_of",
+]
 
 logger = logging.getLogger("sakura.async")
 
@@ -68,6 +74,21 @@ def _is_hf_state(obj: Any) -> bool:
 def is_hf_target(obj: Any) -> bool:
     """A transformers Trainer or TrainerState."""
     return _is_hf_trainer(obj) or _is_hf_state(obj)
+
+
+def output_dir_of(trainer: Any) -> str | None:
+    """A framework trainer's output directory: a Lightning Trainer's ``default_root_dir``,
+    a Hugging Face Trainer's ``args.output_dir``; None for anything else (a TrainerState
+    does not know it)."""
+    if trainer is None:
+        return None
+    if _is_lightning_trainer(trainer):
+        root = getattr(trainer, "default_root_dir", None)
+    elif _is_hf_trainer(trainer):
+        root = getattr(getattr(trainer, "args", None), "output_dir", None)
+    else:
+        return None
+    return str(root) if root else None
 
 
 def report_lightning(trainer: Any, metrics: Mapping[str, Any], epoch: int, step: int) -> None:

@@ -3,7 +3,8 @@
 Services::
 
     async_eval[:DISPATCHER][,fn=package.module:function][,payload=package.module:name]
-              [,every=N][,max_pending=N][,ranks=zero|all][,<dispatcher option>=...]
+              [,pass_task=true|false][,every=N][,max_pending=N][,ranks=zero|all]
+              [,<dispatcher option>=...]
     async_checkpoint[:DISPATCHER][,dir=PATH][,every=N|"N steps"|30s|best][,metric=NAME]
               [,mode=min|max][,keep=N|none][,format=torch|safetensors|lightning]
               [,compress=LEVEL][,max_pending=N][,<dispatcher option>=...]
@@ -19,8 +20,12 @@ Without ``fn``, ``async_eval:...`` builds an AsyncEval that has none yet: the pr
 built it (the benchmark harness, with its workload's evaluation) must call
 ``service.configure(eval_fn, eval_payload)`` before training, or installing it fails with
 an error that says so.  ``payload=package.module:name`` names the payload; a callable is
-called with no arguments to build it.  ``async_checkpoint`` writes to ``./checkpoints``
-unless ``dir=`` says otherwise.
+called with no arguments to build it.  ``pass_task=true`` gives ``fn`` an ``EvalTask``
+(the epoch's weights) instead of the payload.  ``async_checkpoint`` needs ``dir=``, unless
+the program that built it gives the run's output directory
+(``service.use_output_dir(path)``, as sakura-bench does) or training runs under a
+Lightning Trainer or ``SakuraTrainer`` (their output directory); otherwise the first save
+fails with an error naming ``dir``.
 
 Dispatchers::
 
@@ -138,7 +143,6 @@ def build_async_checkpoint(spec: Spec) -> Any:
     name, kwargs, dispatcher_kwargs = _split(spec, AsyncCheckpoint, set())
     if "state_provider" in kwargs:
         raise SpecError(f"{spec.text!r}: state_provider cannot be given in a spec string")
-    kwargs.setdefault("dir", "checkpoints")
     if isinstance(kwargs.get("every"), str) and kwargs["every"].isdigit():
         kwargs["every"] = int(kwargs["every"])
     dispatcher = _dispatcher(name, dispatcher_kwargs, spec)

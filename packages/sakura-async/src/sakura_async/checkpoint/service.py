@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import re
+import tempfile
 import time
 import weakref
 from collections import OrderedDict, deque
@@ -38,18 +39,20 @@ from sakura import (
     Service,
 )
 from sakura.events import Event
+from sakura.options import OptionError, check_bool, check_choice, check_int, option_error
 from sakura.runtime import SakuraRuntime
 from sakura_async._model import unwrap_model
-from sakura_async._options import check_choice, check_int
 from sakura_async.checkpoint.formats import FORMATS
 from sakura_async.checkpoint.store import remove_stale_temporaries, write_checkpoint
 from sakura_async.dispatch.base import Dispatcher, TaskFuture
 from sakura_async.dispatch.resolve import resolve_dispatcher
 from sakura_async.errors import CheckpointWriteError
-from sakura_async.reporting import lightning_trainer_of
+from sakura_async.reporting import lightning_trainer_of, output_dir_of
 from sakura_async.snapshot import Snapshot, SnapshotPool
 
 __all__ = ["AsyncCheckpoint", "SaveTiming", "parse_every"]
+
+_OWNER = "AsyncCheckpoint"
 
 logger = logging.getLogger("sakura.async")
 
@@ -66,11 +69,15 @@ _EVERY_HELP = (
 def parse_every(every: Any) -> tuple[str, float]:
     """``every`` -> ``(unit, amount)`` with unit ``"epochs"``, ``"steps"``, ``"seconds"``
     or ``"best"``."""
+
+    def wrong(accepted: str = _EVERY_HELP) -> OptionError:
+        return option_error("every", every, accepted, owner=_OWNER)
+
     if isinstance(every, bool):
-        raise ValueError(f"every must be {_EVERY_HELP}; got {every!r}")
+        raise wrong()
     if isinstance(every, int):
         if every < 1:
-            raise ValueError(f"every must be {_EVERY_HELP} (>= 1); got {every!r}")
+            raise wrong(_EVERY_HELP + " (counts >= 1)")
         return "epochs", every
     if isinstance(every, str):
         if every.strip() == "best":
@@ -81,13 +88,25 @@ def parse_every(every: Any) -> tuple[str, float]:
             unit = match.group("unit")
             if unit.startswith("epoch") or unit.startswith("step"):
                 if amount != int(amount) or amount < 1:
-                    raise ValueError(f"every={every!r}: the count must be a whole number >= 1")
+                    raise wrong("a whole number >= 1 of epochs or steps")
                 return ("epochs" if unit.startswith("epoch") else "steps"), int(amount)
             seconds = amount * _SECONDS[unit]
             if seconds <= 0:
-                raise ValueError(f"every={every!r}: the interval must be > 0")
+                raise wrong("a duration > 0")
             return "seconds", seconds
-    raise ValueError(f"every must be {_EVERY_HELP}; got {every!r}")
+    raise wrong()
+
+
+def _check_dir(value: Any, *, option: str = "dir") -> str:
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+        raise option_error(option, value, "a non-empty path (str or os.PathLike)", owner=_OWNER)
+    return os.path.abspath(os.fspath(value))
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: message`` and the notes the error collected (the option and path)."""
+    notes = getattr(exc, "__notes__", None) or []
+    return "; ".join([f"{type(exc).__name__}: {exc}", *map(str, notes)])
 
 
 @dataclass
@@ -137,7 +156,13 @@ class AsyncCheckpoint(Service):
     """Write checkpoints on a dispatcher while training continues.
 
     Args:
-        dir: the checkpoint root directory (created if missing).
+        dir: the checkpoint root directory (created if missing).  Required, except under
+            an integration that knows the run's output directory: then it defaults, at
+            training start, to ``<output dir>/<service name>`` (a Lightning Trainer's
+            ``default_root_dir``; a Hugging Face Trainer's ``args.output_dir`` with
+            ``SakuraTrainer`` or :meth:`attach`; sakura-bench's run directory through
+            :meth:`use_output_dir`).  With nothing known, the first save fails with an
+            error naming ``dir``.
         every: when to save: an int (every that many epochs), ``"N epochs"``,
             ``"N steps"``, a duration (``"30s"``, ``"10 min"``, ``"1h"``), or ``"best"`` (each
             time ``metric`` improves).
@@ -174,7 +199,7 @@ class AsyncCheckpoint(Service):
 
     def __init__(
         self,
-        dir: str | os.PathLike[str],
+        dir: str | os.PathLike[str] | None = None,
         every: Any = 1,
         metric: str | None = None,
         mode: str = "min",
@@ -189,46 +214,50 @@ class AsyncCheckpoint(Service):
         ranks: str = "zero",
         name: str | None = None,
     ) -> None:
-        if not isinstance(dir, (str, os.PathLike)) or not os.fspath(dir):
-            raise ValueError(f"dir must be a non-empty path, got {dir!r}")
-        self.dir = os.path.abspath(os.fspath(dir))
+        self.dir: str | None = None if dir is None else _check_dir(dir)
+        """The checkpoint root (absolute), or None until an integration gives one."""
+        self._output_dir: str | None = None
+        self._dir_error: BaseException | None = None
         self.unit, self.amount = parse_every(every)
         self.every = every
         if metric is not None and (not isinstance(metric, str) or not metric):
-            raise ValueError(f"metric must be a metric name (str) or None, got {metric!r}")
+            raise option_error("metric", metric, "a metric name (str) or None", owner=_OWNER)
         if self.unit == "best" and metric is None:
-            raise ValueError("every='best' needs metric=<name of the metric to watch>")
+            raise option_error(
+                "metric", metric, "the name of the metric to watch with every='best'", owner=_OWNER
+            )
         self.metric = metric
-        self.mode: str = check_choice("mode", mode, ("min", "max"))
-        self.keep: int | None = check_int("keep", keep, minimum=1, allow_none=True)
+        self.mode: str = check_choice("mode", mode, ("min", "max"), owner=_OWNER)
+        self.keep: int | None = check_int("keep", keep, minimum=1, allow_none=True, owner=_OWNER)
         if state_provider is not None and not callable(state_provider):
             raise TypeError(
-                f"state_provider must be a callable with no arguments returning the state to "
-                f"save, got {state_provider!r}"
+                f"{_OWNER}: state_provider={state_provider!r} is not accepted; accepted: a "
+                f"callable with no arguments returning the state to save"
             )
         self.state_provider = state_provider
-        self.format: str = check_choice("format", format, FORMATS)
-        self.max_pending: int = check_int("max_pending", max_pending, minimum=1)
+        self.format: str = check_choice("format", format, FORMATS, owner=_OWNER)
+        self.max_pending: int = check_int("max_pending", max_pending, minimum=1, owner=_OWNER)
         if compress is not None and (
             isinstance(compress, bool) or not isinstance(compress, int) or not 1 <= compress <= 22
         ):
-            raise ValueError(
-                f"compress must be a zstd level from 1 to 22 or None, got {compress!r}"
+            raise option_error(
+                "compress", compress, "a zstd level from 1 to 22, or None", owner=_OWNER
             )
+        self.compress: int | None = compress
         if compress and format == "lightning":
-            raise ValueError(
-                "compress cannot be used with format='lightning': Lightning loads the file itself"
+            raise option_error(
+                "compress",
+                compress,
+                "None with format='lightning' (Lightning loads the file itself)",
+                owner=_OWNER,
             )
-        self.compress = compress
-        if not isinstance(overlap, bool):
-            raise TypeError(f"overlap must be a bool, got {overlap!r}")
-        self.overlap = overlap
-        self.ranks: str = check_choice("ranks", ranks, ("zero", "all"))
+        self.overlap: bool = check_bool("overlap", overlap, owner=_OWNER)
+        self.ranks: str = check_choice("ranks", ranks, ("zero", "all"), owner=_OWNER)
         if not (dispatcher is None or isinstance(dispatcher, (str, Dispatcher))):
             resolve_dispatcher(dispatcher)  # raises the descriptive TypeError
+        if name is not None and (not isinstance(name, str) or not name):
+            raise option_error("name", name, "a non-empty string", owner=_OWNER)
         if name is not None:
-            if not isinstance(name, str) or not name:
-                raise ValueError(f"name must be a non-empty string, got {name!r}")
             self.name = name
         self._dispatcher_option = dispatcher
         self.dispatcher: Dispatcher | None = (
@@ -290,9 +319,8 @@ class AsyncCheckpoint(Service):
         self._pool = SnapshotPool(self.dispatcher.empty, max_sets=self.max_pending + self._hold + 2)
         if self.overlap:
             self._copier = ThreadPoolExecutor(1, thread_name_prefix="sakura-snapshot")
-        os.makedirs(self.dir, exist_ok=True)
-        for stale in remove_stale_temporaries(self.dir):
-            logger.info("sakura AsyncCheckpoint: removed %s left by an interrupted write", stale)
+        if self.dir is not None:
+            self._prepare_dir(self.dir)
         ref = weakref.ref(self)
 
         def at_exit() -> None:  # the runtime was never closed: still finish and report
@@ -313,7 +341,7 @@ class AsyncCheckpoint(Service):
             failures, self._unraised = self._unraised, []
             raise CheckpointWriteError(
                 f"{len(failures)} checkpoint write(s) to {self.dir} failed "
-                f"({len(self.saved)} succeeded); first error: {failures[0]!r}"
+                f"({len(self.saved)} succeeded); first error: {_describe(failures[0])}"
             ) from failures[0]
 
     def teardown(self) -> None:
@@ -340,8 +368,85 @@ class AsyncCheckpoint(Service):
     def on_event(self, event: Any) -> None:
         self._handlers[type(event)](event)
 
+    # --- where checkpoints go ---------------------------------------------------------------
+
+    def use_output_dir(self, path: str | os.PathLike[str]) -> AsyncCheckpoint:
+        """Write under ``<path>/<service name>`` unless ``dir`` was given: for a program
+        that knows the run's output directory (sakura-bench passes its run directory).
+        Call it before training starts.  Returns the service."""
+        self._output_dir = _check_dir(path, option="output dir")
+        if self.dir is None:
+            self._use(os.path.join(self._output_dir, self.name))
+        return self
+
+    def attach(self, trainer: Any) -> AsyncCheckpoint:
+        """Default ``dir`` to ``<trainer's output directory>/<service name>``: a Hugging
+        Face Trainer's ``args.output_dir`` or a Lightning Trainer's ``default_root_dir``
+        (unless ``dir`` was given).  Returns the service."""
+        out = output_dir_of(trainer)
+        if out is None:
+            raise option_error(
+                "trainer",
+                trainer,
+                "a transformers.Trainer or lightning.Trainer (their output directory "
+                "becomes the default dir)",
+                owner=f"{_OWNER}.attach",
+            )
+        return self.use_output_dir(out)
+
+    def _use(self, directory: str) -> None:
+        self.dir = directory
+        if self.rt is not None and self._on_rank():
+            self._prepare_dir(directory)
+
+    def _prepare_dir(self, directory: str) -> None:
+        """Create ``directory``, prove it writable, remove what interrupted writers left."""
+        try:
+            os.makedirs(directory, exist_ok=True)
+            fd, probe = tempfile.mkstemp(prefix=".sakura-probe-", dir=directory)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as exc:
+            raise option_error(
+                "dir",
+                directory,
+                f"a writable directory (it failed with {type(exc).__name__}: {exc})",
+                owner=_OWNER,
+            ) from exc
+        for stale in remove_stale_temporaries(directory):
+            logger.info("sakura AsyncCheckpoint: removed %s left by an interrupted write", stale)
+
+    def _resolve_dir(self, event: Any) -> None:
+        """At training start: the run's output directory when ``dir`` was not given."""
+        if self.dir is not None:
+            return
+        trainer = getattr(event, "trainer", None)
+        out = output_dir_of(trainer) or output_dir_of(lightning_trainer_of(event.model))
+        if out is not None:
+            self._use(os.path.join(os.path.abspath(out), self.name))
+
+    def _require_dir(self, step: int, epoch: int) -> bool:
+        """Whether a save can go ahead; without a ``dir`` the first save fails loudly."""
+        if self.dir is not None:
+            return True
+        if self._dir_error is None:
+            self._dir_error = option_error(
+                "dir",
+                None,
+                "a directory: pass AsyncCheckpoint(dir=...); it defaults to the run's output "
+                "directory only under a Lightning Trainer, a Hugging Face SakuraTrainer (or a "
+                "Trainer given with attach(trainer)), or a program calling use_output_dir()",
+                owner=_OWNER,
+            )
+            self._fail(self._dir_error, step, epoch)
+        return False
+
+    # --- events -----------------------------------------------------------------------------
+
     def _on_train_begin(self, event: Any) -> None:
         self._remember(event)
+        if self._on_rank():
+            self._resolve_dir(event)
         self._last_step = event.step
         self._last_time = time.monotonic()
 
@@ -404,6 +509,9 @@ class AsyncCheckpoint(Service):
     # --- internals --------------------------------------------------------------------------
 
     def _active(self) -> bool:
+        return self._on_rank()
+
+    def _on_rank(self) -> bool:
         rt = self.rt
         return rt is not None and (self.ranks == "all" or rt.rank == 0)
 
@@ -438,6 +546,8 @@ class AsyncCheckpoint(Service):
         better = best is None or (value < best if self.mode == "min" else value > best)
         if not better:
             return
+        if not self._require_dir(event.step, event.epoch):
+            return
         if event.model is not None:  # the live weights are the evaluated ones
             self._best = value
             self._save(event, metric=value)
@@ -457,6 +567,8 @@ class AsyncCheckpoint(Service):
         self._save(event, metric=value, snapshot=snapshot, epoch=epoch)
 
     def _hold_snapshot(self, event: Any) -> None:
+        if self.dir is None:  # nothing can be written: the first save reports it
+            return
         while len(self._held) >= self._hold:
             _, (_, old) = self._held.popitem(last=False)
             old.release()
@@ -509,7 +621,7 @@ class AsyncCheckpoint(Service):
         snapshot: Snapshot | None = None,
         epoch: int | None = None,
     ) -> None:
-        if not self._active():
+        if not self._active() or not self._require_dir(event.step, event.epoch):
             if snapshot is not None:
                 snapshot.release()
             return
@@ -584,7 +696,7 @@ class AsyncCheckpoint(Service):
             else None
         )
         dispatcher = self.dispatcher
-        if dispatcher is None:
+        if dispatcher is None or self.dir is None:
             snapshot.release()
             raise RuntimeError(
                 f"AsyncCheckpoint {self.name!r} is not set up (install it on a running runtime)"

@@ -1,0 +1,127 @@
+"""Where AsyncCheckpoint writes: ``dir`` is required unless an integration knows the run's
+output directory; a directory that cannot be written and a full disk are errors naming the
+option and the OS error, and the last good checkpoint stays loadable."""
+
+from __future__ import annotations
+
+import errno
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from sakura import OnEpochEnd, OnError, OnTrainBegin, SakuraRuntime
+from sakura.options import OptionError
+from sakura.testing import RecordingService
+from sakura_async import AsyncCheckpoint, load_latest
+from sakura_async.checkpoint import store
+from sakura_async.errors import CheckpointWriteError
+
+
+def _start(directory: Any) -> None:
+    SakuraRuntime([AsyncCheckpoint(directory, dispatcher="inthread")]).start()
+
+
+def test_a_file_given_as_dir_names_the_option_and_the_os_error(tmp_path: Path) -> None:
+    file = tmp_path / "not-a-dir"
+    file.write_text("x")
+    with pytest.raises(
+        OptionError, match=r"AsyncCheckpoint: dir='.*not-a-dir' is not accepted"
+    ) as e:
+        _start(file)
+    assert "a writable directory" in str(e.value) and "FileExistsError" in str(e.value)
+    assert isinstance(e.value.__cause__, OSError)
+
+
+def test_a_dir_under_a_file_names_the_option_and_the_os_error(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OptionError, match=r"dir='.*file/sub'.*NotADirectoryError") as e:
+        _start(tmp_path / "file" / "sub")
+    assert e.value.__cause__ is not None and e.value.__cause__.errno == errno.ENOTDIR
+
+
+def test_a_read_only_dir_names_the_option_and_the_os_error() -> None:
+    """sysfs is read-only even for root (the tests run as root, so chmod would not do)."""
+    target = "/sys/kernel"
+    try:
+        fd, probe = tempfile.mkstemp(dir=target)
+    except OSError:
+        pass
+    else:  # pragma: no cover - a system where /sys/kernel is writable
+        os.close(fd)
+        os.unlink(probe)
+        pytest.skip(f"{target} is writable here")
+    with pytest.raises(OptionError, match=r"dir='/sys/kernel' is not accepted.*(Permission|Errno)"):
+        _start(target)
+
+
+def test_a_full_disk_names_the_option_and_the_os_error_and_keeps_the_last_good_one(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    rec = RecordingService(event_types={OnError})
+    state = {"w": torch.arange(4.0)}
+    rt = SakuraRuntime([rec])
+    ckpt = rt.install(
+        AsyncCheckpoint(
+            tmp_path, every=1, keep=1, dispatcher="thread", state_provider=lambda: state
+        )
+    )
+    rt.start()
+    rt.emit(OnEpochEnd, epoch=0, step=1)
+    ckpt.drain()
+    real = store.write_state
+
+    def full_disk(tree: Any, raw: Any, fmt: str, compress: Any) -> Any:
+        raw.write(b"\0" * 100)  # part of the file went out before the disk filled up
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(store, "write_state", full_disk)
+    state["w"] = torch.arange(4.0) + 1
+    rt.emit(OnEpochEnd, epoch=1, step=2)
+    with pytest.raises(CheckpointWriteError) as e:
+        rt.close()
+    message = str(e.value)
+    assert "1 checkpoint write(s)" in message and "No space left on device" in message
+    assert f"AsyncCheckpoint: dir={str(tmp_path)!r}" in message
+    assert [ev.source for ev in rec.of(OnError)] == ["async_checkpoint"]
+    monkeypatch.setattr(store, "write_state", real)
+    latest = load_latest(tmp_path)
+    assert latest is not None and latest.step == 1
+    assert torch.equal(latest.state["w"], torch.arange(4.0))
+    assert [p for p in os.listdir(tmp_path) if p.startswith(".")] == []  # nothing half-made
+
+
+def test_without_dir_or_an_output_dir_the_first_save_fails_loudly(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    rec = RecordingService(event_types={OnError})
+    model = torch.nn.Linear(2, 2)
+    rt = SakuraRuntime([rec])
+    ckpt = rt.install(AsyncCheckpoint(every=1, dispatcher="inthread"))
+    rt.start()
+    rt.emit(OnTrainBegin, model=model)  # a raw loop: no framework knows an output dir
+    for epoch in range(3):
+        rt.emit(OnEpochEnd, epoch=epoch, step=epoch + 1, model=model)
+    with pytest.raises(CheckpointWriteError, match=r"AsyncCheckpoint: dir=None is not accepted"):
+        rt.close()
+    assert len(rec.of(OnError)) == 1  # reported once, not per epoch
+    assert ckpt.saved == [] and os.listdir(tmp_path) == []  # nothing written to the cwd
+
+
+def test_use_output_dir_gives_the_default_and_an_explicit_dir_wins(tmp_path: Path) -> None:
+    state = {"w": torch.ones(2)}
+    ckpt = AsyncCheckpoint(every=1, dispatcher="inthread", state_provider=lambda: state)
+    ckpt.use_output_dir(tmp_path / "run")
+    with SakuraRuntime([ckpt], strict=True) as rt:
+        rt.emit(OnEpochEnd, epoch=0, step=1)
+    assert load_latest(tmp_path / "run" / "async_checkpoint") is not None
+    explicit = AsyncCheckpoint(tmp_path / "mine", dispatcher="inthread")
+    assert explicit.use_output_dir(tmp_path / "run").dir == str(tmp_path / "mine")
+    with pytest.raises(OptionError, match="AsyncCheckpoint: output dir=3 is not accepted"):
+        explicit.use_output_dir(3)  # type: ignore[arg-type]
+    with pytest.raises(OptionError, match=r"AsyncCheckpoint.attach: trainer=.* is not accepted"):
+        explicit.attach(object())
