@@ -9,6 +9,7 @@ docs/hooks.md list the fields by hand and are checked here against
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -230,4 +231,49 @@ def test_hookspec_checker_reports_a_hand_written_stale_docstring(
 
     assert hookspec_drift([OnOptimizerStep]) == [
         "hookspecs: on_optimizer_step docstring does not list ``model``, ``optimizer``, ``skipped``"
+    ]
+
+
+# --- the sakura.testing signatures in docs/events.md -----------------------------------------
+
+TESTING_FUNCTIONS = (
+    "check_hooks_valid",
+    "check_state_round_trip",
+    "check_exceptions_isolated",
+    "check_no_work_on_unhandled_events",
+    "run_tiny_loop",
+    "expected_event_names",
+)
+
+
+def plain_signature(function: Any) -> str:
+    """``name(a, *, b=1)``: the signature as docs/events.md writes it (no annotations)."""
+    params = [
+        p.replace(annotation=inspect.Parameter.empty)
+        for p in inspect.signature(function).parameters.values()
+    ]
+    return f"{function.__name__}{inspect.Signature(params)}"
+
+
+def helper_signature_drift(text: str, functions: Iterable[Any]) -> list[str]:
+    return [
+        f"events.md: `{plain_signature(f)}` not documented"
+        for f in functions
+        if f"`{plain_signature(f)}`" not in text
+    ]
+
+
+def test_events_md_documents_the_testing_helpers_with_their_signatures() -> None:
+    import sakura.testing
+
+    functions = [getattr(sakura.testing, name) for name in TESTING_FUNCTIONS]
+    checks = {name for name in sakura.testing.__all__ if name.startswith("check_")}
+    assert checks <= set(TESTING_FUNCTIONS)  # a new check_* function must be documented too
+    assert helper_signature_drift((DOCS / "events.md").read_text(), functions) == []
+
+    def check_hooks_valid(service: Any, *, deep: bool = False) -> None:
+        """A drifted signature: a keyword the docs do not show."""
+
+    assert helper_signature_drift((DOCS / "events.md").read_text(), [check_hooks_valid]) == [
+        "events.md: `check_hooks_valid(service, *, deep=False)` not documented"
     ]
