@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -25,10 +26,17 @@ from transformers import (
 )
 
 from sakura import SakuraRuntime
-from sakura.events import OnError, OnLoadCheckpoint, OnTrainBegin, OnTrainStepEnd
+from sakura.events import (
+    OnError,
+    OnLoadCheckpoint,
+    OnTrainBegin,
+    OnTrainStepEnd,
+    OnValidationEpochBegin,
+)
 from sakura.options import OptionError
 from sakura.resume import ServiceStateError, ServiceStateWarning
 from sakura.testing.recording import RecordingService
+from sakura_adapters.emitted import UnemittedEventWarning
 from sakura_adapters.hf import (
     STATE_FILE,
     HFAdapter,
@@ -378,6 +386,9 @@ def test_sakura_trainer_event_sequence(tmp_path, model, train_data, eval_data):
     rec.events.clear()
     trainer.predict(eval_data)
     assert rec.names == ["OnPredictBegin", "OnPredictBatchEnd", "OnPredictBatchEnd", "OnPredictEnd"]
+    # the events read from the code cover every event the run emitted
+    emitted = {cls.__name__ for cls in HFAdapter.emitted_events(SakuraTrainer)}
+    assert set(sakura_run_names()) | set(rec.names) <= emitted
 
 
 def test_stock_trainer_with_event_services_only(tmp_path, train_data):
@@ -441,6 +452,7 @@ def test_stock_trainer_with_event_services_only(tmp_path, train_data):
     )
     # a callback cannot see backward or the start of evaluation
     assert "OnBeforeBackward" not in counts and "OnValidationBegin" not in counts
+    assert set(counts) <= {cls.__name__ for cls in HFAdapter.emitted_events()}
     names = rec.names
     assert names[:4] == ["OnSetup", "OnFitBegin", "OnTrainBegin", "OnEpochBegin"]
     assert names[-2:] == ["OnTrainEnd", "OnFitEnd"]
@@ -770,6 +782,98 @@ def test_stock_trainer_resume_restores_service_state(tmp_path, model, train_data
     ).train(resume_from_checkpoint=True)
     assert counter2.count_at_train_begin == 6
     assert counter2.count == TOTAL_STEPS
+
+
+# --- services that handle events the Trainer never emits --------------------------------------
+
+
+class BackwardMonitor:
+    """Handles on_after_backward (the stock Trainer tells a callback nothing about it)."""
+
+    name = "grad_monitor"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def on_after_backward(self, event: Any) -> None:
+        self.calls += 1
+
+
+class LoopMonitor:
+    """Handles on_test_begin: the transformers.Trainer has no test loop at all."""
+
+    name = "test_watcher"
+
+    def on_test_begin(self, event: Any) -> None:
+        pass
+
+
+def test_emitted_events_are_read_from_the_code():
+    stock = HFAdapter.emitted_events()
+    with_trainer = HFAdapter.emitted_events(SakuraTrainer)
+    assert stock is not None and with_trainer is not None
+    names = {cls.__name__ for cls in with_trainer - stock}
+    assert names == {
+        "OnBeforeBackward",
+        "OnAfterBackward",
+        "OnValidationBegin",
+        "OnPredictBegin",
+        "OnError",
+    }
+    assert {"OnSubstepEnd", "OnLog", "OnPushBegin", "OnLoadCheckpoint"} <= {
+        cls.__name__ for cls in stock
+    }
+    assert not {"OnTestBegin", "OnSanityCheckBegin"} & {cls.__name__ for cls in with_trainer}
+
+    class Extended(SakuraTrainer):  # a subclass that emits more is read as well
+        def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+            self.runtime.emit(OnValidationEpochBegin, step=0, epoch=0, model=self.model)
+            return super().evaluate(*args, **kwargs)
+
+    assert HFAdapter.emitted_events(Extended) == with_trainer | {OnValidationEpochBegin}
+
+
+def test_stock_trainer_warns_about_events_it_never_emits(tmp_path, model, train_data):
+    rt = SakuraRuntime(strict=True)
+    monitor = rt.install(BackwardMonitor())
+    rt.install(LoopMonitor())
+    rt.install(RecordingService())  # a catch-all takes whatever comes: no warning
+    trainer = Trainer(
+        model=model,
+        args=make_args(tmp_path),
+        train_dataset=train_data,
+        optimizer_cls_and_kwargs=SGD,
+        callbacks=[HFAdapter(rt)],
+    )
+    with pytest.warns(UnemittedEventWarning) as record:
+        trainer.train()
+    messages = [str(w.message) for w in record if w.category is UnemittedEventWarning]
+    assert len(messages) == 2
+    assert messages[0].startswith(
+        "sakura service 'grad_monitor' handles on_after_backward (OnAfterBackward), which "
+        "HFAdapter under the stock transformers.Trainer never emits, so that handler will "
+        "never run; use sakura_adapters.hf.SakuraTrainer"
+    )
+    assert messages[0].endswith("which emits it")
+    assert messages[1].startswith("sakura service 'test_watcher' handles on_test_begin")
+    assert "the transformers.Trainer has no such moment" in messages[1]
+    assert monitor.calls == 0
+
+
+def test_sakura_trainer_emits_what_the_stock_trainer_cannot(tmp_path, model, train_data):
+    rt = SakuraRuntime(strict=True)
+    monitor = rt.install(BackwardMonitor())
+    trainer = SakuraTrainer(
+        model=model,
+        args=make_args(tmp_path),
+        train_dataset=train_data,
+        optimizer_cls_and_kwargs=SGD,
+        runtime=rt,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnemittedEventWarning)
+        trainer.train()
+    assert monitor.calls == TOTAL_STEPS
 
 
 # --- resuming with a changed service list -------------------------------------------------------

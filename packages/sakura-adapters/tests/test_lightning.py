@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from sakura.resume import ServiceStateError, ServiceStateWarning
 from sakura.testing import RecordingService
 
 pl = pytest.importorskip("lightning.pytorch")
+from sakura_adapters.emitted import UnemittedEventWarning  # noqa: E402
 from sakura_adapters.lightning import LightningAdapter, SakuraPrecision  # noqa: E402
 
 STEPS_PER_EPOCH = 3
@@ -202,6 +204,69 @@ def test_resume_restores_service_state(tmp_path: Path, step_counter: Any) -> Non
         trainer(rt, tmp_path, max_epochs=2).fit(TinyModule(), loader(), ckpt_path=str(ckpt))
     assert resumed.loaded == STEPS_PER_EPOCH
     assert resumed.count == 2 * STEPS_PER_EPOCH
+
+
+class LogWatcher(Service):
+    """Handles on_log, which only the Hugging Face Trainer has, and on_after_backward."""
+
+    name = "log_watcher"
+
+    def __init__(self) -> None:
+        self.after_backward = 0
+
+    def on_log(self, event: Any) -> None:
+        pass
+
+    def on_after_backward(self, event: Any) -> None:
+        self.after_backward += 1
+
+
+def test_events_lightning_never_emits_are_a_warning_at_fit(tmp_path: Path) -> None:
+    emitted = LightningAdapter.emitted_events()
+    assert emitted is not None
+    never = {cls.__name__ for cls in sakura.events.EVENT_TYPES} - {c.__name__ for c in emitted}
+    assert never == {"OnSubstepEnd", "OnLog", "OnPushBegin"}  # Hugging Face-only moments
+    without_plugin = LightningAdapter.emitted_events(precision_plugin=False)
+    assert without_plugin is not None
+    assert {c.__name__ for c in emitted - without_plugin} == {"OnOptimizerStep"}
+
+    watcher = LogWatcher()
+    with pytest.warns(UnemittedEventWarning) as record, SakuraRuntime([watcher]) as rt:
+        trainer(rt, tmp_path, max_epochs=1, enable_checkpointing=False).fit(TinyModule(), loader())
+    messages = [str(w.message) for w in record if w.category is UnemittedEventWarning]
+    assert messages == [
+        "sakura service 'log_watcher' handles on_log (OnLog), which LightningAdapter under the "
+        "lightning.Trainer never emits, so that handler will never run; the lightning.Trainer "
+        "has no such moment: handle an event it emits instead "
+        "(LightningAdapter.emitted_events() lists them)"
+    ]
+    assert watcher.after_backward == STEPS_PER_EPOCH
+
+
+def test_no_warning_for_services_whose_events_lightning_emits(tmp_path: Path) -> None:
+    rec = RecordingService("handles_all", event_types=set(LightningAdapter.emitted_events() or ()))
+    with warnings.catch_warnings(), SakuraRuntime([rec, LightningMomentsWatcher()]) as rt:
+        warnings.simplefilter("error", UnemittedEventWarning)
+        trainer(rt, tmp_path, max_epochs=1).fit(TinyModule(), loader(), loader())
+    assert rec.counts()["OnAfterBackward"] == STEPS_PER_EPOCH
+    emitted = {c.__name__ for c in LightningAdapter.emitted_events() or ()}
+    fit_events = set(rec.names)
+    assert fit_events <= emitted
+
+
+class LightningMomentsWatcher(Service):
+    """Handles every Lightning-side event by name (none of them draws a warning)."""
+
+    name = "every_lightning_event"
+
+    def on_after_backward(self, event: Any) -> None: ...
+    def on_before_backward(self, event: Any) -> None: ...
+    def on_optimizer_step(self, event: Any) -> None: ...
+    def on_sanity_check_begin(self, event: Any) -> None: ...
+    def on_test_begin(self, event: Any) -> None: ...
+    def on_predict_epoch_end(self, event: Any) -> None: ...
+    def on_validation_epoch_begin(self, event: Any) -> None: ...
+    def on_teardown(self, event: Any) -> None: ...
 
 
 def _fit_one_epoch(tmp_path: Path, services: list[Any]) -> Path:

@@ -21,6 +21,7 @@ _EXPORTS = {
     "HFAdapter": "sakura_adapters.hf",
     "SakuraTrainer": "sakura_adapters.hf",
     "DDPAdapter": "sakura_adapters.ddp",
+    "UnemittedEventWarning": "sakura_adapters.emitted",
 }
 
 __all__ = sorted(_EXPORTS)

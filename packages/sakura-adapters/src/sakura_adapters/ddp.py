@@ -27,6 +27,7 @@ from typing import Any
 from sakura import events as ev
 from sakura.options import check_bool, check_int, option_error
 from sakura.runtime import SakuraRuntime
+from sakura_adapters.emitted import events_emitted
 
 __all__ = ["DDPAdapter"]
 
@@ -78,6 +79,14 @@ class DDPAdapter:
         self.epoch = 0
         self.model: Any = None
         self.optimizer: Any = None
+
+    @classmethod
+    def emitted_events(cls) -> frozenset[type[ev.Event]] | None:
+        """The events this adapter's methods emit, read from the code (see
+        :mod:`sakura_adapters.emitted`).  A raw loop calls these methods itself and may
+        emit any other event with ``rt.emit``, so unlike the framework adapters this one
+        warns about nothing."""
+        return events_emitted(cls)
 
     @property
     def rank(self) -> int:

@@ -40,6 +40,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from sakura import events as ev
 from sakura.options import check_bool
 from sakura.runtime import SakuraRuntime
+from sakura_adapters.emitted import events_emitted, warn_unemitted
 
 __all__ = ["CHECKPOINT_KEY", "LightningAdapter", "SakuraPrecision"]
 
@@ -49,6 +50,14 @@ CHECKPOINT_KEY = "sakura"
 _PRECISION_CALLS = ("autocast", "wrap_loss", "unscale_gradients", "optimizer_step")
 _ALL_CALLS = (*_PRECISION_CALLS, "wrap_model", "wrap_optimizer")
 _SUPPORTED_STRATEGIES = (SingleDeviceStrategy, DDPStrategy)
+# The hooks the Trainer calls on every callback (lightning.Callback's public methods).
+_CALLBACK_HOOKS = tuple(
+    name for name, value in vars(Callback).items() if not name.startswith("_") and callable(value)
+)
+_NO_SUCH_MOMENT = (
+    "the lightning.Trainer has no such moment: handle an event it emits instead "
+    "(LightningAdapter.emitted_events() lists them)"
+)
 
 
 def _check_runtime(rt: Any) -> SakuraRuntime:
@@ -237,6 +246,40 @@ class LightningAdapter(Callback):
     def state_key(self) -> str:
         return "SakuraLightningAdapter"
 
+    @classmethod
+    def emitted_events(cls, *, precision_plugin: bool = True) -> frozenset[type[ev.Event]] | None:
+        """The events this adapter can emit, read from the code (see
+        :mod:`sakura_adapters.emitted`): those of the ``Callback`` hooks, plus those of
+        :class:`SakuraPrecision` when it could be installed (``precision_plugin``; it is
+        not for unsupported strategies).  None when the source is not available."""
+        ours = events_emitted(cls, _CALLBACK_HOOKS, stop_at=Callback)
+        if not precision_plugin or ours is None:
+            return ours
+        plugin = events_emitted(SakuraPrecision, None, stop_at=Precision)
+        return None if plugin is None else ours | plugin
+
+    def _warn_unemitted(self, trainer: pl.Trainer) -> None:
+        """Warn about every installed service's handler for an event never emitted here."""
+        strategy = trainer.strategy
+        installed = isinstance(strategy.precision_plugin, SakuraPrecision)
+        with_plugin = self.emitted_events() or frozenset()
+        supported = ", ".join(s.__name__ for s in _SUPPORTED_STRATEGIES)
+
+        def fix(event: type[ev.Event]) -> str:
+            if not installed and event in with_plugin:
+                return (
+                    f"it is emitted by LightningAdapter's precision plugin, which does not "
+                    f"support strategy {type(strategy).__name__} (supported: {supported})"
+                )
+            return _NO_SUCH_MOMENT
+
+        warn_unemitted(
+            self.rt,
+            self.emitted_events(precision_plugin=installed),
+            where="LightningAdapter under the lightning.Trainer",
+            fix=fix,
+        )
+
     # --- helpers ----------------------------------------------------------------------
 
     def _emit(self, cls: type[ev.Event], trainer: pl.Trainer, /, **fields: Any) -> None:
@@ -276,6 +319,8 @@ class LightningAdapter(Callback):
         self.rt.rank = trainer.global_rank
         self.rt.world_size = trainer.world_size
         self._install_precision(trainer)
+        if stage == "fit":
+            self._warn_unemitted(trainer)
         self._emit(ev.OnSetup, trainer, stage=stage, model=pl_module)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -12,12 +12,14 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from transformers import TrainerCallback
+from transformers import Trainer, TrainerCallback
 
 from sakura import events as ev
 from sakura.options import check_bool
 from sakura.runtime import SakuraRuntime
+from sakura_adapters.emitted import events_emitted, warn_unemitted
 from sakura_adapters.hf.checks import (
+    USE_SAKURA_TRAINER,
     check_runtime,
     check_services,
     check_single_compiler,
@@ -31,6 +33,17 @@ if TYPE_CHECKING:
     from sakura_adapters.hf.trainer import SakuraTrainer
 
 __all__ = ["HFAdapter"]
+
+# The hooks the Trainer calls on every callback (TrainerCallback's on_* methods).
+_CALLBACK_HOOKS = tuple(
+    name
+    for name, value in vars(TrainerCallback).items()
+    if name.startswith("on_") and callable(value)
+)
+_NO_SUCH_MOMENT = (
+    "the transformers.Trainer has no such moment: handle an event it emits instead "
+    "(HFAdapter.emitted_events() lists them)"
+)
 
 
 class HFAdapter(TrainerCallback):
@@ -74,6 +87,44 @@ class HFAdapter(TrainerCallback):
     def __repr__(self) -> str:
         mode = "SakuraTrainer" if self._trainer is not None else "callback"
         return f"<HFAdapter ({mode}) {self.rt!r}>"
+
+    @classmethod
+    def emitted_events(cls, trainer_cls: type | None = None) -> frozenset[type[ev.Event]] | None:
+        """The events this adapter can emit, read from the code (see
+        :mod:`sakura_adapters.emitted`): under the stock Trainer (``trainer_cls`` None) those
+        of the ``TrainerCallback`` hooks; under a :class:`SakuraTrainer` (sub)class also
+        those the trainer emits itself (backward, evaluation and prediction begin, errors).
+        None when the source is not available."""
+        if trainer_cls is None:
+            return events_emitted(cls, _CALLBACK_HOOKS, stop_at=TrainerCallback)
+        ours = events_emitted(cls, None, stop_at=TrainerCallback)
+        trainers = events_emitted(trainer_cls, None, stop_at=Trainer)
+        return None if ours is None or trainers is None else ours | trainers
+
+    def _warn_unemitted(self) -> None:
+        """Warn about every installed service's handler for an event never emitted here."""
+        from sakura_adapters.hf.trainer import SakuraTrainer
+
+        trainer = self._trainer
+        if trainer is not None:
+            warn_unemitted(
+                self.rt,
+                self.emitted_events(type(trainer)),
+                where=f"{type(trainer).__name__} (a transformers.Trainer)",
+                fix=lambda event: _NO_SUCH_MOMENT,
+            )
+            return
+        with_trainer = self.emitted_events(SakuraTrainer) or frozenset()
+        warn_unemitted(
+            self.rt,
+            self.emitted_events(),
+            where="HFAdapter under the stock transformers.Trainer",
+            fix=lambda event: (
+                f"{USE_SAKURA_TRAINER}, which emits it"
+                if event in with_trainer
+                else _NO_SUCH_MOMENT
+            ),
+        )
 
     # --- helpers ----------------------------------------------------------------------
 
@@ -140,6 +191,7 @@ class HFAdapter(TrainerCallback):
         self._set_rank(args)
         trainer = self._trainer
         check_services(self.rt, args, trainer)
+        self._warn_unemitted()
         if trainer is None:
             self._wraps.check_model_wrapped(model, sakura_trainer=False)
             patch_autocast(self.rt, model)
