@@ -9,10 +9,6 @@ from typing import Any
 
 import pytest
 import torch
-from sakura_async import AsyncCheckpoint
-from sakura_async.checkpoint import find_checkpoints
-from sakura_async.checkpoint.formats import read_state
-from sakura_async.snapshot import Snapshot
 
 from sakura import (
     OnBeforeOptimizerStep,
@@ -24,6 +20,10 @@ from sakura import (
     SakuraRuntime,
 )
 from sakura.testing import RecordingService
+from sakura_async import AsyncCheckpoint
+from sakura_async.checkpoint import find_checkpoints
+from sakura_async.checkpoint.formats import read_state
+from sakura_async.snapshot import Snapshot
 
 
 def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -111,5 +111,5 @@ def test_without_the_barrier_event_the_checkpoint_is_discarded_and_overlap_stops
 
 
 def test_overlap_must_be_a_bool(tmp_path: Path) -> None:
-    with pytest.raises(TypeError, match="overlap must be a bool, got 'yes'"):
+    with pytest.raises(ValueError, match="overlap='yes' is not accepted; accepted: True or False"):
         AsyncCheckpoint(tmp_path, overlap="yes")  # type: ignore[arg-type]

@@ -296,10 +296,12 @@ class AsyncEval(Service):
         self.report_to = check_report_to(report_to)
         self.ranks: str = check_choice("ranks", ranks, ("zero", "all"), owner=_OWNER)
         self._dispatcher_option = dispatcher
-        self.dispatcher: Dispatcher | None = (
-            dispatcher if isinstance(dispatcher, Dispatcher) else None
-        )
+        self.dispatcher: Dispatcher | None = None
         self._owns_dispatcher = False
+        """Whether the service closes its dispatcher: one it built from a name (or None),
+        or an object marked ``owned_by_service`` (built for it, e.g. from a spec string)."""
+        if isinstance(dispatcher, Dispatcher):
+            self.dispatcher, self._owns_dispatcher = resolve_dispatcher(dispatcher)
         self.rt: SakuraRuntime | None = None
         self._pool: SnapshotPool | None = None
         self._pending: deque[_Pending] = deque()

@@ -105,7 +105,7 @@ class Snapshot:
                 if not src.is_cuda:
                     dst.copy_(src)
             if cuda:
-                side = torch.cuda.Stream(device=cuda[0][1].device)  # type: ignore[no-untyped-call]
+                side = torch.cuda.Stream(device=cuda[0][1].device)
                 if stream is not None:
                     side.wait_stream(stream)
                 with torch.cuda.stream(side):

@@ -128,13 +128,12 @@ def build_async_eval(spec: Spec) -> Any:
         if callable(eval_payload):
             eval_payload = eval_payload()
     dispatcher = _dispatcher(name, dispatcher_kwargs, spec)
+    dispatcher.owned_by_service = True  # built here for the service: the service closes it
     try:
-        service = AsyncEval(eval_fn, eval_payload, dispatcher, **kwargs)
+        return AsyncEval(eval_fn, eval_payload, dispatcher, **kwargs)
     except (TypeError, ValueError):
         dispatcher.close(wait=False)
         raise
-    service._owns_dispatcher = True  # built here: the service closes it
-    return service
 
 
 def build_async_checkpoint(spec: Spec) -> Any:
@@ -146,10 +145,9 @@ def build_async_checkpoint(spec: Spec) -> Any:
     if isinstance(kwargs.get("every"), str) and kwargs["every"].isdigit():
         kwargs["every"] = int(kwargs["every"])
     dispatcher = _dispatcher(name, dispatcher_kwargs, spec)
+    dispatcher.owned_by_service = True
     try:
-        service = AsyncCheckpoint(dispatcher=dispatcher, **kwargs)
+        return AsyncCheckpoint(dispatcher=dispatcher, **kwargs)
     except (TypeError, ValueError):
         dispatcher.close(wait=False)
         raise
-    service._owns_dispatcher = True
-    return service

@@ -260,10 +260,12 @@ class AsyncCheckpoint(Service):
         if name is not None:
             self.name = name
         self._dispatcher_option = dispatcher
-        self.dispatcher: Dispatcher | None = (
-            dispatcher if isinstance(dispatcher, Dispatcher) else None
-        )
+        self.dispatcher: Dispatcher | None = None
         self._owns_dispatcher = False
+        """Whether the service closes its dispatcher: one it built from a name (or None),
+        or an object marked ``owned_by_service`` (built for it, e.g. from a spec string)."""
+        if isinstance(dispatcher, Dispatcher):
+            self.dispatcher, self._owns_dispatcher = resolve_dispatcher(dispatcher)
         self.rt: SakuraRuntime | None = None
         self._pool: SnapshotPool | None = None
         self._pending: deque[_Write] = deque()
