@@ -41,6 +41,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -200,7 +201,27 @@ def build_distributions(session: nox.Session, projects: list[Path]) -> list[Path
     wheels = sorted(DIST.glob("*.whl"))
     if len(wheels) != len(projects):
         session.error(f"expected {len(projects)} wheels in {DIST}, found {len(wheels)}")
+    unlicensed = [d.name for d in [*wheels, *sorted(DIST.glob("*.tar.gz"))] if not has_license(d)]
+    if unlicensed:
+        session.error(f"no LICENSE text (the repository's root LICENSE) in: {unlicensed}")
     return wheels
+
+
+def has_license(distribution: Path) -> bool:
+    """Whether a built wheel (in its .dist-info) or sdist (at its top) carries the text of
+    the root LICENSE."""
+    text = (ROOT / "LICENSE").read_bytes()
+    if distribution.suffix == ".whl":
+        with zipfile.ZipFile(distribution) as zf:
+            names = [n for n in zf.namelist() if ".dist-info/" in n and n.endswith("/LICENSE")]
+            return any(zf.read(n) == text for n in names)
+    with tarfile.open(distribution) as tf:
+        tops = [m for m in tf.getmembers() if m.isfile() and m.name.count("/") == 1]
+        for member in tops:
+            if member.name.endswith("/LICENSE"):
+                handle = tf.extractfile(member)
+                return handle is not None and handle.read() == text
+    return False
 
 
 def wheel_name_version(wheel: Path) -> tuple[str, str]:
