@@ -185,11 +185,17 @@ def test_one_compiler_at_a_time(tmp_path: Path) -> None:
         ),
         ({"target": "layers"}, r"target='layers' is not accepted; accepted: 'model', 'blocks'"),
         ({"blocks": nn.Linear}, r"blocks= applies to target='blocks' only"),
-        ({"backend": ""}, r"backend must be a backend name"),
+        (
+            {"backend": ""},
+            r"Compile: backend='' is not accepted; accepted: a torch.compile backend",
+        ),
         ({"backend": "aot_eager", "mode": "max-autotune"}, r"only mode='default' is accepted"),
-        ({"fullgraph": 1}, r"fullgraph must be True or False"),
-        ({"dynamic": "auto"}, r"dynamic must be True or False"),
-        ({"cache_dir": 3}, r"cache_dir must be a path or None"),
+        ({"fullgraph": 1}, r"Compile: fullgraph=1 is not accepted; accepted: True or False"),
+        ({"dynamic": "auto"}, r"dynamic='auto' is not accepted; accepted: True or False"),
+        (
+            {"cache_dir": 3},
+            r"cache_dir=3 is not accepted; accepted: a path \(str or os.PathLike\) or None",
+        ),
     ],
 )
 def test_bad_options(kwargs: dict[str, Any], message: str) -> None:

@@ -88,17 +88,35 @@ def test_unknown_precision_lists_what_is_accepted(value: Any) -> None:
             {"dtype": "fp16", "device": "tpu"},
             r"device='tpu' is not accepted; accepted: 'cpu', 'cuda'",
         ),
-        ({"dtype": "fp16", "init_scale": 0}, r"init_scale=0 is out of range; accepted: > 0"),
-        ({"dtype": "fp16", "growth_factor": 1.0}, r"growth_factor=1.0 is out of range"),
-        ({"dtype": "fp16", "backoff_factor": 1.5}, r"backoff_factor=1.5 is out of range"),
-        ({"dtype": "fp16", "growth_interval": 0}, r"growth_interval must be an int >= 1"),
+        (
+            {"dtype": "fp16", "init_scale": 0},
+            r"MixedPrecision: init_scale=0 is not accepted; accepted: a finite number > 0",
+        ),
+        (
+            {"dtype": "fp16", "growth_factor": 1.0},
+            r"growth_factor=1.0 is not accepted; accepted: a finite number > 1",
+        ),
+        (
+            {"dtype": "fp16", "backoff_factor": 1.5},
+            r"backoff_factor=1.5 is not accepted; accepted: a finite number > 0 and < 1",
+        ),
+        (
+            {"dtype": "fp16", "growth_interval": 0},
+            r"growth_interval=0 is not accepted; accepted: an int >= 1",
+        ),
         (
             {"dtype": "bf16", "init_scale": 1024.0},
             r"\['init_scale'\] configure the fp16 loss scaler",
         ),
         ({"dtype": "bf16", "emulate": True}, r"\['emulate'\] configure fp8"),
-        ({"dtype": "fp8", "emulate": "yes"}, r"emulate must be True or False"),
-        ({"dtype": "fp8", "fp8_filter": 3}, r"fp8_filter must be a callable"),
+        (
+            {"dtype": "fp8", "emulate": "yes"},
+            r"emulate='yes' is not accepted; accepted: True or False",
+        ),
+        (
+            {"dtype": "fp8", "fp8_filter": 3},
+            r"fp8_filter=3 is not accepted; accepted: a callable \(name, linear\) -> bool, or None",
+        ),
     ],
 )
 def test_bad_options_name_option_value_and_accepted(kwargs: dict[str, Any], message: str) -> None:
@@ -158,7 +176,7 @@ def test_the_plugin_registers_lazy_targets() -> None:
     assert registry["mixed_precision"].target == "sakura_precision.mixed_precision:MixedPrecision"
     assert registry["compile"].target == "sakura_precision.compile:Compile"
     assert registry["activation_checkpoint"].target == (
-        "sakura_precision.checkpointing:ActivationCheckpoint"
+        "sakura_precision.activation_checkpoint:ActivationCheckpoint"
     )
     assert {registry[n].distribution for n in ("mixed_precision", "compile")} == {
         "sakura-precision"

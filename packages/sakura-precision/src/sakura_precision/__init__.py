@@ -23,7 +23,7 @@ _EXPORTS = {
     "TruePrecision": "sakura_precision.mixed_precision",
     "FP8Precision": "sakura_precision.mixed_precision",
     "Compile": "sakura_precision.compile",
-    "ActivationCheckpoint": "sakura_precision.checkpointing",
+    "ActivationCheckpoint": "sakura_precision.activation_checkpoint",
     "Float8Linear": "sakura_precision.fp8",
     "find_blocks": "sakura_precision.blocks",
     "resolve_mode": "sakura_precision.modes",

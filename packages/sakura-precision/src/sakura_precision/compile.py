@@ -28,7 +28,7 @@ from torch import nn
 
 from sakura import Service
 from sakura.events import OnTrainStepBegin
-from sakura_precision._options import check_bool, check_choice
+from sakura.options import check_bool, check_choice, option_error
 from sakura_precision.blocks import find_blocks, validate_selector
 
 __all__ = ["MODES", "TARGETS", "Compile", "default_cache_dir"]
@@ -52,7 +52,7 @@ def default_cache_dir() -> Path:
 
 def _run_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The function that is compiled: one module call, hooks included."""
-    return module._call_impl(*args, **kwargs)  # type: ignore[no-untyped-call]
+    return module._call_impl(*args, **kwargs)
 
 
 def _already_compiled(module: nn.Module) -> str | None:
@@ -111,16 +111,16 @@ class Compile(Service):
         dynamic: bool | None = None,
     ) -> None:
         owner = "Compile"
-        self.mode = check_choice(owner, "mode", mode, MODES)
-        self.target = check_choice(owner, "target", target, TARGETS)
+        self.mode = check_choice("mode", mode, MODES, owner=owner)
+        self.target = check_choice("target", target, TARGETS, owner=owner)
         if blocks is not None and target != "blocks":
             raise ValueError(
                 f"{owner}: blocks= applies to target='blocks' only (target={target!r})"
             )
         self.blocks = validate_selector(owner, blocks)
         if not isinstance(backend, str) or not backend:
-            raise ValueError(
-                f"{owner}: backend must be a backend name such as 'inductor', got {backend!r}"
+            raise option_error(
+                "backend", backend, "a torch.compile backend name such as 'inductor'", owner=owner
             )
         if backend != "inductor" and mode != "default":
             raise ValueError(
@@ -128,12 +128,14 @@ class Compile(Service):
                 f"backend={backend!r} only mode='default' is accepted"
             )
         self.backend = backend
-        self.fullgraph = check_bool(owner, "fullgraph", fullgraph)
+        self.fullgraph = check_bool("fullgraph", fullgraph, owner=owner)
         if dynamic is not None:
-            check_bool(owner, "dynamic", dynamic)
+            check_bool("dynamic", dynamic, owner=owner)
         self.dynamic = dynamic
         if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
-            raise ValueError(f"{owner}: cache_dir must be a path or None, got {cache_dir!r}")
+            raise option_error(
+                "cache_dir", cache_dir, "a path (str or os.PathLike) or None", owner=owner
+            )
         self._cache_dir_option = cache_dir
         self.cache_dir: Path = (
             Path(cache_dir).expanduser().resolve() if cache_dir is not None else default_cache_dir()
@@ -243,4 +245,4 @@ class Compile(Service):
     def on_event(self, event: Any) -> None:
         """``OnTrainStepBegin`` with a CUDA-graph mode: mark the step (CUDA only)."""
         if torch.cuda.is_available():
-            torch.compiler.cudagraph_mark_step_begin()  # type: ignore[no-untyped-call]
+            torch.compiler.cudagraph_mark_step_begin()

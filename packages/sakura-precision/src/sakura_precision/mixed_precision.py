@@ -39,7 +39,7 @@ from torch import nn
 
 from sakura import STEP_SKIPPED, Service, StepSkipped
 from sakura.events import OnFitBegin, OnPredictBegin, OnTestBegin, OnTrainBegin, OnValidationBegin
-from sakura_precision._options import check_bool, check_choice, check_number, check_positive_int
+from sakura.options import check_bool, check_choice, check_int, check_number, option_error
 from sakura_precision.fp8 import check_fp8_hardware, convert_to_float8
 from sakura_precision.modes import Mode, resolve_mode
 
@@ -170,7 +170,7 @@ class MixedPrecision(Service):
         self.mode = mode
         self.dtype = mode.dtype
         if device is not None:
-            check_choice("MixedPrecision", "device", device, _DEVICES)
+            check_choice("device", device, _DEVICES, owner="MixedPrecision")
         self.device = device
         self._device_type: str | None = device
         scaler_options = {
@@ -290,17 +290,22 @@ class LossScaledPrecision(AutocastPrecision):
         settings = dict(_SCALER_DEFAULTS)
         settings.update({k: v for k, v in scaler_options.items() if v is not None})
         owner = "MixedPrecision"
-        check_number(owner, "init_scale", settings["init_scale"], above=0, accepted="> 0")
-        check_number(owner, "growth_factor", settings["growth_factor"], above=1, accepted="> 1")
         check_number(
-            owner,
+            "init_scale", settings["init_scale"], minimum=0, min_inclusive=False, owner=owner
+        )
+        check_number(
+            "growth_factor", settings["growth_factor"], minimum=1, min_inclusive=False, owner=owner
+        )
+        check_number(
             "backoff_factor",
             settings["backoff_factor"],
-            above=0,
-            below=1,
-            accepted="between 0 and 1",
+            minimum=0,
+            maximum=1,
+            min_inclusive=False,
+            max_inclusive=False,
+            owner=owner,
         )
-        check_positive_int(owner, "growth_interval", settings["growth_interval"])
+        check_int("growth_interval", settings["growth_interval"], minimum=1, owner=owner)
         self._settings = settings
         self._scaler: torch.amp.GradScaler | None = None
         self._scaler_device: str | None = None
@@ -615,12 +620,14 @@ class FP8Precision(AutocastPrecision):
     def _configure(self, scaler_options: dict[str, Any], fp8_options: dict[str, Any]) -> None:
         options = dict(_FP8_DEFAULTS)
         options.update({k: v for k, v in fp8_options.items() if v is not None})
-        self.emulate = check_bool("MixedPrecision", "emulate", options["emulate"])
+        self.emulate = check_bool("emulate", options["emulate"], owner="MixedPrecision")
         fp8_filter = options["fp8_filter"]
         if fp8_filter is not None and not callable(fp8_filter):
-            raise ValueError(
-                f"MixedPrecision: fp8_filter must be a callable (name, linear) -> bool or None, "
-                f"got {fp8_filter!r}"
+            raise option_error(
+                "fp8_filter",
+                fp8_filter,
+                "a callable (name, linear) -> bool, or None",
+                owner="MixedPrecision",
             )
         self.fp8_filter = fp8_filter
         self.converted: list[str] = []

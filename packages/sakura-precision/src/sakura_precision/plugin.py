@@ -20,6 +20,6 @@ def sakura_register_services(register: Register) -> None:
     )
     register(
         "activation_checkpoint",
-        "sakura_precision.checkpointing:ActivationCheckpoint",
+        "sakura_precision.activation_checkpoint:ActivationCheckpoint",
         description="selective activation checkpointing of the repeated block stack",
     )

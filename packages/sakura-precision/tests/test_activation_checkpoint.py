@@ -1,5 +1,5 @@
-"""ActivationCheckpoint: block detection, bit-identical gradients, saved-tensor bytes, and
-selective policies."""
+"""ActivationCheckpoint: block detection, bit-identical gradients, saved-tensor bytes,
+selective policies, and the deprecated ``sakura_precision.checkpointing`` name."""
 
 from __future__ import annotations
 
@@ -232,8 +232,11 @@ def test_framework_gradient_checkpointing_conflicts() -> None:
         ({"policy": {"aten.not_an_op"}}, r"policy names 'aten.not_an_op', which is not an aten op"),
         ({"policy": {3}}, r"policy ops must be aten ops"),
         ({"policy": 3.5}, r"policy=3.5 is not accepted"),
-        ({"every": 0}, r"every must be an int >= 1, got 0"),
-        ({"preserve_rng_state": "yes"}, r"preserve_rng_state must be True or False"),
+        ({"every": 0}, r"ActivationCheckpoint: every=0 is not accepted; accepted: an int >= 1"),
+        (
+            {"preserve_rng_state": "yes"},
+            r"preserve_rng_state='yes' is not accepted; accepted: True or False",
+        ),
     ],
 )
 def test_bad_options(kwargs: dict[str, Any], message: str) -> None:
@@ -245,3 +248,18 @@ class TestActivationCheckpointConformance(ServiceConformance):
     def make_service(self) -> Any:
         # the tiny loop's model is an MLP without repeated blocks: select its Linear layers
         return ActivationCheckpoint(blocks=nn.Linear)
+
+
+def test_the_old_module_name_still_works_with_a_deprecation_warning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import importlib
+    import sys
+
+    from sakura_precision import activation_checkpoint
+
+    monkeypatch.delitem(sys.modules, "sakura_precision.checkpointing", raising=False)
+    with pytest.warns(DeprecationWarning, match=r"sakura_precision\.activation_checkpoint"):
+        old = importlib.import_module("sakura_precision.checkpointing")
+    assert old.ActivationCheckpoint is activation_checkpoint.ActivationCheckpoint
+    assert old.POLICIES is activation_checkpoint.POLICIES
