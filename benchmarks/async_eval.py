@@ -113,7 +113,7 @@ def run(
             eval_s += time.perf_counter() - t2
     else:
         with SakuraRuntime() as rt:
-            service = rt.install(AsyncEval(eval_fn, val, dispatcher=dispatcher))
+            service = rt.install(AsyncEval(eval_fn, val, dispatcher=dispatcher, pass_task=True))
             rt.emit(OnTrainBegin, model=model, optimizer=opt)
             step = 0
             for epoch in range(epochs):
