@@ -41,8 +41,14 @@ def invoke(service: Any, call: str, method: Callable[..., Any], *args: Any) -> A
 
 
 def _thread(impls: Impls, call: str, value: Any) -> Any:
+    """``value`` through every method in turn (the per-step chains: the ``try`` is inlined
+    rather than calling :func:`invoke`, which would cost a call per service and step)."""
     for service, method in impls:
-        value = invoke(service, call, method, value)
+        try:
+            value = method(value)
+        except BaseException as exc:
+            annotate(exc, service, call)
+            raise
     return value
 
 
