@@ -10,8 +10,8 @@ mode                        class and hooks
 ``"bf16-mixed"``            :class:`AutocastPrecision`: ``autocast``; ``wrap_model`` and
                             ``on_event`` (loop-start events) only learn the device type
 ``"16-mixed"``              :class:`LossScaledPrecision`: the above plus ``wrap_loss``,
-                            ``unscale_gradients``, ``optimizer_step``, ``state_dict``,
-                            ``load_state_dict`` (a ``torch.amp.GradScaler``)
+                            ``unscale_gradients``, ``loss_scale``, ``optimizer_step``,
+                            ``state_dict``, ``load_state_dict`` (a ``torch.amp.GradScaler``)
 ``"bf16-true"``,            :class:`TruePrecision`: ``wrap_model`` casts the weights in place
 ``"16-true"``,              and casts floating inputs; ``autocast`` makes the dtype the
 ``"32-true"``, ``"64-true"``  default for tensors created in forward (as Lightning does)
@@ -273,7 +273,8 @@ class LossScaledPrecision(AutocastPrecision):
     the gradients back and checks them for inf/NaN, at most once per optimizer and step
     (so clipping through ``rt.clip_grad_norm_`` and the step itself never unscale twice);
     ``optimizer_step`` lets the scaler step the optimizer, or skip the step when a gradient
-    was not finite, and always owns the step (returns True).  The scale is updated (backed
+    was not finite, and always owns the step (returns True, or :data:`~sakura.STEP_SKIPPED`
+    for a skipped step); ``loss_scale`` answers the scale the step's gradients carry.  The scale is updated (backed
     off after a skipped step, grown after ``growth_interval`` clean ones) once every
     optimizer of the step has stepped: at the next ``wrap_loss``, or when the scale or the
     state is read.  These are the operations of the hand-written ``GradScaler`` loop, in its
