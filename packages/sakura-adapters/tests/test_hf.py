@@ -41,7 +41,7 @@ from sakura_adapters.hf import (
     STATE_FILE,
     HFAdapter,
     SakuraTrainer,
-    SakuraTrainerRequired,
+    SakuraTrainerRequiredError,
     state_file_name,
 )
 
@@ -559,7 +559,7 @@ def test_stock_trainer_rejects_step_owning_service(tmp_path, model, train_data):
     rt = SakuraRuntime()
     rt.install(LossScaler())
     before = weights(model)
-    with pytest.raises(SakuraTrainerRequired) as info:
+    with pytest.raises(SakuraTrainerRequiredError) as info:
         Trainer(
             model=model,
             args=make_args(tmp_path),
@@ -580,7 +580,7 @@ def test_stock_trainer_rejects_step_owning_service(tmp_path, model, train_data):
         callbacks=[HFAdapter(rt2)],
     )
     rt2.install(LossScaler())
-    with pytest.raises(SakuraTrainerRequired, match="SakuraTrainer"):
+    with pytest.raises(SakuraTrainerRequiredError, match="SakuraTrainer"):
         trainer.train()
     after = weights(model)
     assert all(torch.equal(before[k], after[k]) for k in before)  # no step was taken
@@ -623,7 +623,9 @@ def test_stock_trainer_applies_autocast_and_in_place_wrap_model(
 def test_stock_trainer_rejects_wrap_model_returning_new_module(tmp_path, model, train_data):
     rt = SakuraRuntime()
     rt.install(Rewrapper())
-    with pytest.raises(SakuraTrainerRequired, match=r"'rewrapper'.*CountingWrapper.*SakuraTrainer"):
+    with pytest.raises(
+        SakuraTrainerRequiredError, match=r"'rewrapper'.*CountingWrapper.*SakuraTrainer"
+    ):
         Trainer(
             model=model,
             args=make_args(tmp_path),
@@ -678,7 +680,7 @@ def test_sakura_trainer_wraps_optimizer(tmp_path, model, train_data):
     rt2.install(OptimizerWrapper())
     stock = Trainer(model=model, args=args, train_dataset=train_data, callbacks=[HFAdapter(rt2)])
     with pytest.raises(
-        SakuraTrainerRequired, match=r"'optimizer_wrapper'.*wrap_optimizer.*SakuraTrainer"
+        SakuraTrainerRequiredError, match=r"'optimizer_wrapper'.*wrap_optimizer.*SakuraTrainer"
     ):
         stock.train()
 
@@ -952,6 +954,16 @@ def test_strict_resume_rejects_a_changed_service_list(
 
 
 # --- bad input ----------------------------------------------------------------------------------
+
+
+def test_the_old_exception_name_still_works_with_a_deprecation_warning():
+    import sakura_adapters.hf as hf
+
+    with pytest.warns(DeprecationWarning, match=r"use SakuraTrainerRequiredError"):
+        old = hf.SakuraTrainerRequired
+    assert old is SakuraTrainerRequiredError
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
+        hf.NoSuchName  # noqa: B018
 
 
 def test_state_file_names():

@@ -56,9 +56,14 @@ cannot honour).
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
 from sakura_adapters.hf.callback import HFAdapter
-from sakura_adapters.hf.checks import SakuraTrainerRequired
-from sakura_adapters.hf.optimizer import _RuntimeStepOptimizer
+from sakura_adapters.hf.checks import SakuraTrainerRequiredError
+
+# Looked up by sakura_precision (sys.modules["sakura_adapters.hf"]) to see through the proxy.
+from sakura_adapters.hf.optimizer import _RuntimeStepOptimizer as _RuntimeStepOptimizer
 from sakura_adapters.hf.state import STATE_FILE, state_file_name
 from sakura_adapters.hf.trainer import SakuraTrainer
 
@@ -66,9 +71,22 @@ __all__ = [
     "STATE_FILE",
     "HFAdapter",
     "SakuraTrainer",
-    "SakuraTrainerRequired",
+    "SakuraTrainerRequiredError",
     "state_file_name",
 ]
 
-# Looked up by sakura_precision (sys.modules["sakura_adapters.hf"]) to see through the proxy.
-_RuntimeStepOptimizer = _RuntimeStepOptimizer
+_DEPRECATED = {"SakuraTrainerRequired": "SakuraTrainerRequiredError"}
+
+
+def __getattr__(name: str) -> Any:
+    """Old names, kept working for one minor version with a DeprecationWarning."""
+    new = _DEPRECATED.get(name)
+    if new is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(
+        f"sakura_adapters.hf.{name} is deprecated and will be removed in sakura-adapters 0.2; "
+        f"use {new} (exceptions are named ...Error)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return globals()[new]

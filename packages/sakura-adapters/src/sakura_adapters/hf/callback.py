@@ -58,7 +58,7 @@ class HFAdapter(TrainerCallback):
     On the stock Trainer, services take effect where a callback can make them (see
     :mod:`sakura_adapters.hf`); a service that needs :class:`SakuraTrainer` (loss scaling,
     unscaling, owning the optimizer step, wrapping into a new object) stops training at
-    its start with :class:`SakuraTrainerRequired`, naming the service.  A sakura service
+    its start with :class:`SakuraTrainerRequiredError`, naming the service.  A sakura service
     that controls precision together with the Trainer's own ``fp16``/``bf16`` is a
     ValueError.
 

@@ -1,7 +1,7 @@
 """What the Hugging Face Trainer can and cannot honour: the checks made before training.
 
 A service is never silently ignored: a coordinated call that a ``TrainerCallback`` cannot
-carry out on the stock Trainer is :class:`SakuraTrainerRequired`; two things that both
+carry out on the stock Trainer is :class:`SakuraTrainerRequiredError`; two things that both
 control precision, or both compile the model, are a ``ValueError`` naming both.
 """
 
@@ -18,7 +18,7 @@ from sakura.runtime import SakuraRuntime
 
 __all__ = [
     "USE_SAKURA_TRAINER",
-    "SakuraTrainerRequired",
+    "SakuraTrainerRequiredError",
     "check_runtime",
     "check_services",
     "check_single_compiler",
@@ -37,7 +37,7 @@ USE_SAKURA_TRAINER = (
 )
 
 
-class SakuraTrainerRequired(SakuraError, RuntimeError):
+class SakuraTrainerRequiredError(SakuraError, RuntimeError):
     """An installed service needs :class:`SakuraTrainer`; the stock Trainer cannot honour it."""
 
 
@@ -109,7 +109,7 @@ def check_services(rt: SakuraRuntime, args: Any, trainer: Any) -> None:
     if trainer is None:
         needs = by_service(rt, TRAINER_ONLY_CALLS)
         if needs:
-            raise SakuraTrainerRequired(
+            raise SakuraTrainerRequiredError(
                 f"the sakura service(s) {sorted(needs)} cannot take effect under the stock "
                 f"transformers.Trainer with only the HFAdapter callback ({describe(needs)}): "
                 f"a TrainerCallback cannot change the loss given to backward, unscale "

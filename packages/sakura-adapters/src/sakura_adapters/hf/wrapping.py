@@ -17,7 +17,7 @@ from typing import Any
 from accelerate.utils import extract_model_from_parallel  # type: ignore[import-untyped]
 
 from sakura.runtime import SakuraRuntime
-from sakura_adapters.hf.checks import USE_SAKURA_TRAINER, SakuraTrainerRequired
+from sakura_adapters.hf.checks import USE_SAKURA_TRAINER, SakuraTrainerRequiredError
 from sakura_adapters.hf.optimizer import service_optimizer
 
 __all__ = ["WrapRecord", "patch_autocast"]
@@ -47,7 +47,7 @@ class WrapRecord:
             return
         wrapped = self.rt.wrap_model(model)
         if wrapped is not model:
-            raise SakuraTrainerRequired(
+            raise SakuraTrainerRequiredError(
                 f"the sakura service(s) {list(names)} implement wrap_model and returned a new "
                 f"{type(wrapped).__name__} instead of modifying the {type(model).__name__} in "
                 f"place; the stock transformers.Trainer would keep training the unwrapped model "
@@ -79,7 +79,7 @@ class WrapRecord:
             if sakura_trainer
             else f"install every service before building the Trainer, or {USE_SAKURA_TRAINER}"
         )
-        raise SakuraTrainerRequired(
+        raise SakuraTrainerRequiredError(
             f"{why}; wrap_model of {list(names)} can only be applied when the Trainer is "
             f"built; {fix}"
         )
@@ -96,7 +96,7 @@ class WrapRecord:
             return
         wrapped = self.rt.wrap_optimizer(inner)
         if wrapped is not inner:
-            raise SakuraTrainerRequired(
+            raise SakuraTrainerRequiredError(
                 f"the sakura service(s) {list(names)} implement wrap_optimizer and returned a new "
                 f"{type(wrapped).__name__} instead of modifying the {type(inner).__name__} in "
                 f"place; a callback cannot hand the stock transformers.Trainer a new optimizer; "
