@@ -177,7 +177,10 @@ def test_only_rank_zero_evaluates_by_default(world: Any) -> None:
         ),
         ({"dispatcher": 3}, "dispatcher must be a sakura_async dispatcher"),
         ({"state_provider": 1}, r"AsyncEval: state_provider=1 is not accepted; accepted: a call"),
-        ({"state_provider": lambda m: {}}, r"state_provider=.* accepted: None in the payload"),
+        (
+            {"state_provider": lambda m: {}, "pass_task": False},
+            r"state_provider=.* accepted: None with pass_task=False",
+        ),
         ({"name": ""}, r"AsyncEval: name='' is not accepted; accepted: a non-empty string"),
     ],
 )
@@ -289,3 +292,22 @@ def test_configure_chooses_the_form_too(world: Any) -> None:
         AsyncEval(state_provider=lambda m: {}, pass_task=True).configure(
             by_payload, pass_task=False
         )
+
+
+def test_a_state_provider_implies_the_task_form(world: Any) -> None:
+    """A state_provider says what to snapshot: without pass_task, the task form is taken
+    (an eval_fn(epoch, task) written for the snapshot form keeps working)."""
+    seen: list[Any] = []
+
+    def eval_fn(epoch, task):
+        seen.append(task)
+        return world.eval_fn(epoch, task)
+
+    ae = AsyncEval(
+        eval_fn, world.val_payload(), dispatcher="inthread", state_provider=lambda m: m.state_dict()
+    )
+    assert ae.pass_task is True
+    with SakuraRuntime([ae], strict=True) as rt:
+        _, reference = world.train(rt, epochs=2)
+    assert all(isinstance(t, EvalTask) for t in seen)
+    assert [r.metrics for r in ae.history] == reference

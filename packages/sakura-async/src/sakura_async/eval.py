@@ -149,11 +149,15 @@ def _check_pass_task(pass_task: Any) -> None:
         raise option_error("pass_task", pass_task, "True, False or None", owner=_OWNER)
 
 
-def _resolve_form(eval_fn: Callable[..., Any] | None, pass_task: bool | None) -> bool:
-    """The form ``eval_fn`` gets: True for an :class:`EvalTask`, False for the payload."""
+def _resolve_form(
+    eval_fn: Callable[..., Any] | None, pass_task: bool | None, *, snapshots: bool = False
+) -> bool:
+    """The form ``eval_fn`` gets: True for an :class:`EvalTask`, False for the payload.
+    Left to choose (``pass_task=None``), the task form is taken when ``eval_fn`` declares
+    it or when a ``state_provider`` (``snapshots``) says what to snapshot."""
     declared = eval_fn is not None and declares_task(eval_fn)
     if pass_task is None:
-        return declared
+        return declared or snapshots
     _check_pass_task(pass_task)
     if declared and not pass_task:
         raise option_error(
@@ -237,11 +241,12 @@ class AsyncEval(Service):
         pass_task: ``True`` for the task form: the service snapshots the model at each
             evaluated epoch end and ``eval_fn`` gets an :class:`EvalTask`.  ``None`` (the
             default) picks the task form when ``eval_fn``'s second parameter is annotated
-            ``EvalTask``, else the payload form.  ``False`` insists on the payload form.
+            ``EvalTask`` or a ``state_provider`` is given, else the payload form.
+            ``False`` insists on the payload form.
         every: evaluate at the end of every ``every``-th epoch.
         max_pending: evaluations allowed in flight before the training thread waits.
-        state_provider: task form only: ``state_provider(model) -> state_dict`` to snapshot
-            instead of ``model.state_dict()`` (wrappers such as DDP and ``torch.compile``
+        state_provider: ``state_provider(model) -> state_dict`` to snapshot instead of
+            ``model.state_dict()`` (implies the task form) (wrappers such as DDP and ``torch.compile``
             are removed first).
         report_to: ``"auto"`` (Lightning's trainer from the model; the Hugging Face
             Trainer, or its state, from ``OnTrainBegin.trainer``; a Trainer given with
@@ -287,7 +292,9 @@ class AsyncEval(Service):
         self.eval_fn = eval_fn
         self.eval_payload = eval_payload
         self._pass_task_option = pass_task
-        self.pass_task: bool = _resolve_form(eval_fn, pass_task)
+        self.pass_task: bool = _resolve_form(
+            eval_fn, pass_task, snapshots=state_provider is not None
+        )
         """Whether ``eval_fn`` receives an :class:`EvalTask` (else the payload)."""
         self.every: int = check_int("every", every, minimum=1, owner=_OWNER)
         self.max_pending: int = check_int("max_pending", max_pending, minimum=1, owner=_OWNER)
@@ -318,8 +325,8 @@ class AsyncEval(Service):
             raise option_error(
                 "state_provider",
                 self.state_provider,
-                "None in the payload form: a state_provider chooses what the task form "
-                "snapshots; pass pass_task=True (eval_fn(epoch, task)) to use it",
+                "None with pass_task=False: a state_provider chooses what the task form "
+                "(eval_fn(epoch, task)) snapshots",
                 owner=_OWNER,
             )
 
@@ -338,7 +345,7 @@ class AsyncEval(Service):
         Returns the service."""
         _check_eval_fn(eval_fn)
         chosen = self._pass_task_option if pass_task is None else pass_task
-        form = _resolve_form(eval_fn, chosen)
+        form = _resolve_form(eval_fn, chosen, snapshots=self.state_provider is not None)
         self.eval_fn = eval_fn
         self.eval_payload = eval_payload
         self._pass_task_option = chosen
