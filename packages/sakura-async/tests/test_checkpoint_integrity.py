@@ -191,3 +191,16 @@ def test_a_reader_polling_load_latest_never_misses_the_checkpoint_with_keep_1(
     assert problems == []
     assert min(reads) > 0
     assert [c.step for c in find_checkpoints(root)] == [150]
+
+
+def test_a_damaged_checkpoint_is_warned_about_once_not_at_every_listing(
+    tmp_path: Path, caplog: Any
+) -> None:
+    paths = _three(tmp_path)
+    Path(paths[0], MANIFEST).unlink()
+    with caplog.at_level(logging.WARNING, logger="sakura.async"):
+        for step in (4, 5, 6):  # retention lists the directory at every write
+            write_checkpoint(str(tmp_path), {"w": torch.ones(1)}, step=step, keep=10)
+        load_latest(tmp_path)
+    warned = [r for r in caplog.records if paths[0] in r.getMessage()]
+    assert len(warned) == 1 and "no manifest.json" in warned[0].getMessage()

@@ -34,6 +34,7 @@ import math
 import os
 import re
 import shutil
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +67,8 @@ _WRITER = ".sakura-writer"
 _DOOMED = ".deleting-"
 _NAME = re.compile(r"step-(\d+)-epoch-(\d+)(?:\.(\d+))?\Z")
 _TEMPORARY = re.compile(r"\.step-\d+-epoch-\d+(?:\.\d+)?\..*\.tmp\Z")
+_WARNED: dict[str, str] = {}
+_WARNED_LOCK = threading.Lock()
 _RESCANS = 1000
 """How many times a loader lists the directory again when the checkpoints it picked were
 removed by retention while it read them (each removal means a newer one exists)."""
@@ -330,6 +333,18 @@ def _alive(pid: int) -> bool:
 # --- reading ------------------------------------------------------------------------------
 
 
+def _warn_skipped(path: str, problem: str) -> None:
+    """Warn that a checkpoint is skipped, once per checkpoint and problem (retention lists
+    the directory at every write; a damaged checkpoint would otherwise warn each time)."""
+    with _WARNED_LOCK:
+        if _WARNED.get(path) == problem:
+            return
+        if len(_WARNED) >= 4096:
+            _WARNED.clear()
+        _WARNED[path] = problem
+    logger.warning("sakura: skipping checkpoint %s: %s", path, problem)
+
+
 class _Vanished(Exception):
     """A checkpoint was removed (by retention) while it was being read."""
 
@@ -408,7 +423,7 @@ def _scan(root: str) -> tuple[list[Checkpoint], bool]:
             vanished = True
             continue
         except ValueError as exc:
-            logger.warning("sakura: skipping checkpoint %s: %s", path, exc)
+            _warn_skipped(path, str(exc))
             continue
         found.append(
             Checkpoint(
@@ -441,7 +456,7 @@ def find_checkpoints(root: str | os.PathLike[str], *, verify: bool = False) -> l
 def _verify_quiet(ckpt: Checkpoint) -> bool:
     problem = verify(ckpt)
     if problem:
-        logger.warning("sakura: skipping checkpoint %s: %s", ckpt.path, problem)
+        _warn_skipped(ckpt.path, problem)
     return problem is None
 
 
@@ -450,7 +465,7 @@ def _load(ckpt: Checkpoint, map_location: Any, weights_only: bool) -> Checkpoint
     :class:`_Vanished` when retention removed it meanwhile."""
     problem = _problem(ckpt)
     if problem is not None:
-        logger.warning("sakura: skipping checkpoint %s: %s", ckpt.path, problem)
+        _warn_skipped(ckpt.path, problem)
         return None
     try:
         ckpt.state = read_state(
