@@ -248,3 +248,59 @@ def test_a_service_before_mixed_precision_hands_the_step_on() -> None:
     _assert_norms_close(hand_on.norms, ref_norms)
     for key, value in reference.state_dict().items():  # bit-identical to the reference
         assert torch.equal(model.state_dict()[key], value), key
+
+
+class OwnsFirst:
+    """A third-party service that owns the step before MixedPrecision: it unscales, skips
+    on inf/NaN with STEP_SKIPPED, and steps otherwise (what docs/precision.md tells it)."""
+
+    name = "owns_first"
+    priority = 5
+
+    def __init__(self) -> None:
+        self.performed = 0
+
+    def setup(self, runtime: SakuraRuntime) -> None:
+        self.runtime = runtime
+
+    def optimizer_step(self, optimizer: Any) -> Any:
+        from sakura import STEP_SKIPPED
+
+        self.runtime.unscale_gradients(optimizer)
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
+        if not all(bool(torch.isfinite(g).all()) for g in grads if g is not None):
+            return STEP_SKIPPED
+        optimizer.step()
+        self.performed += 1
+        return True
+
+
+def test_a_service_owning_the_step_before_mixed_precision_skips_with_step_skipped() -> None:
+    torch.set_num_threads(1)
+    steps = 6
+    batches = make_batches(steps)
+    reference, ref_scales, _ = _reference(batches, steps, accumulation=1)
+
+    model = make_model()
+    owner = OwnsFirst()
+    service = MixedPrecision("fp16", **SETTINGS)
+    skipped, scales = [], []
+    with SakuraRuntime([service, owner], strict=True) as rt:
+        model, optimizer = rt.prepare(
+            model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        )
+        for x, y in batches:
+            with rt.autocast():
+                loss = loss_fn(model(x), y)
+            rt.backward(loss)
+            scales.append(rt.loss_scale())
+            assert rt.optimizer_step(optimizer) is True  # owned by OwnsFirst either way
+            skipped.append(rt.last_step_skipped)
+            optimizer.zero_grad(set_to_none=True)
+
+    assert service.optimizer_steps == 0  # MixedPrecision was never offered the step
+    assert skipped[0] and not all(skipped)
+    assert owner.performed == skipped.count(False)
+    assert scales == ref_scales  # the scale still backs off and grows as the scaler's does
+    for key, value in reference.state_dict().items():  # bit-identical to the reference
+        assert torch.equal(model.state_dict()[key], value), key
