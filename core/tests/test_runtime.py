@@ -428,3 +428,13 @@ def test_from_config_is_a_thin_wrapper_of_config_runtime_from_config(tmp_path: A
     again = MyRuntime.from_loaded_config(config)
     assert type(again) is MyRuntime and [s.name for s in again.services] == ["telemetry"]
     assert type(runtime_from_config(config)) is SakuraRuntime
+
+
+def test_uninstall_failures_name_the_service_and_still_tear_down() -> None:
+    log = Log()
+    with SakuraRuntime([Lifecycle("flaky", log, fail="drain")]) as rt:
+        with pytest.raises(RuntimeError, match="drain failed") as info:
+            rt.uninstall("flaky")
+        assert "raised by sakura service 'flaky' in drain()" in info.value.__notes__
+        assert log.calls[-2:] == ["drain:flaky", "teardown:flaky"]
+        assert "flaky" not in rt

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
-from sakura._coordinated import CoordinatedCalls, annotate
+from sakura._coordinated import CoordinatedCalls, annotate, invoke
 from sakura._routing import build_routes, make_dispatcher
 from sakura.env import env_int
 from sakura.errors import InvalidServiceError, SakuraError, nearest
@@ -239,11 +239,11 @@ class SakuraRuntime(CoordinatedCalls):
             try:
                 drain = getattr(target, "drain", None)
                 if drain is not None:
-                    drain()
+                    invoke(target, "drain", drain)
             finally:
                 teardown = getattr(target, "teardown", None)
                 if teardown is not None:
-                    teardown()
+                    invoke(target, "teardown", teardown)
         return target
 
     def _sort_key(self, service: Any) -> tuple[float, int]:
@@ -389,11 +389,7 @@ class SakuraRuntime(CoordinatedCalls):
     def _setup(self, service: Any) -> None:
         setup = getattr(service, "setup", None)
         if setup is not None:
-            try:
-                setup(self)
-            except BaseException as exc:
-                annotate(exc, service, "setup")
-                raise
+            invoke(service, "setup", setup, self)
         self._set_up.add(service.name)
 
     def close(self) -> None:
