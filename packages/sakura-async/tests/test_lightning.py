@@ -17,6 +17,7 @@ from sakura.testing import RecordingService  # noqa: E402
 from sakura_adapters.lightning import LightningAdapter  # noqa: E402
 from sakura_async import AsyncCheckpoint, AsyncEval, load_latest  # noqa: E402
 from sakura_async.checkpoint import find_checkpoints  # noqa: E402
+from sakura_async.errors import CheckpointWriteError  # noqa: E402
 
 BATCH, STEPS = 4, 3
 
@@ -204,3 +205,17 @@ def test_without_dir_checkpoints_go_to_the_trainers_default_root_dir(
     latest = load_latest(root / "async_checkpoint")
     assert latest is not None and latest.epoch == 1
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_an_unwritable_default_root_dir_is_reported_once_and_raised_at_exit(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "run"
+    root.mkdir()
+    (root / "async_checkpoint").write_text("a file where the checkpoints would go")
+    rt = SakuraRuntime()
+    ckpt = rt.install(AsyncCheckpoint(every=1, dispatcher="inthread"))
+    expected = r"dir='.*async_checkpoint' is not accepted"
+    with pytest.raises(CheckpointWriteError, match=expected), rt:
+        make_trainer(rt, root, max_epochs=2).fit(Tiny(), DataLoader(data(), batch_size=BATCH))
+    assert ckpt.dir is None and len(ckpt.errors) == 1 and ckpt.saved == []

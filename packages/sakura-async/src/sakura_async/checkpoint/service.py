@@ -424,8 +424,14 @@ class AsyncCheckpoint(Service):
             return
         trainer = getattr(event, "trainer", None)
         out = output_dir_of(trainer) or output_dir_of(lightning_trainer_of(event.model))
-        if out is not None:
+        if out is None:
+            return
+        try:
             self._use(os.path.join(os.path.abspath(out), self.name))
+        except OptionError as exc:  # an unwritable output directory: no save can succeed
+            self.dir = None
+            self._dir_error = exc
+            self._fail(exc, event.step, event.epoch)
 
     def _require_dir(self, step: int, epoch: int) -> bool:
         """Whether a save can go ahead; without a ``dir`` the first save fails loudly."""
