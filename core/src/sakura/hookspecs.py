@@ -216,6 +216,8 @@ class ServiceHooks:
         events cost nothing.  Used by Telemetry and by recording test services."""
 
     # --- Lifecycle events ----------------------------------------------------
+    # Each event hook's docstring is generated from its event class (``event_hook_doc``):
+    # what the event means and which fields it carries are written in sakura.events only.
 
     @hookspec
     @_receives(OnSetup)
