@@ -180,7 +180,11 @@ def run_eval(eval_fn: Callable[[int, Any], Any], epoch: int, argument: Any) -> d
     try:
         result = eval_fn(epoch, argument)
     except AttributeError as exc:
-        if not isinstance(argument, EvalTask) and getattr(exc, "name", None) in _TASK_ATTRIBUTES:
+        if (
+            not isinstance(argument, EvalTask)
+            and getattr(exc, "name", None) in _TASK_ATTRIBUTES
+            and getattr(exc, "obj", argument) is argument  # raised on the payload itself
+        ):
             add_note(
                 exc,
                 f"AsyncEval: eval_fn received eval_payload (a {type(argument).__name__}) as its "
