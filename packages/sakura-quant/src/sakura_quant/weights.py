@@ -46,5 +46,7 @@ def dequantize_weight(qweight: QuantizedWeight, dtype: torch.dtype | None = None
     tensors = qweight.tensors
     if "scales_offset" in tensors:
         tensors = dict(tensors, scales=decompress_scales(tensors))
-    flat = FORMATS[qweight.format].dequantize(tensors, qweight.numel, qweight.block_size)
-    return flat.view(qweight.shape).to(dtype or qweight.dtype)
+    flat = FORMATS[qweight.format].dequantize_to(
+        tensors, qweight.numel, qweight.block_size, dtype or qweight.dtype
+    )
+    return flat.view(qweight.shape)

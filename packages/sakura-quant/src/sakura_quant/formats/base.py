@@ -59,3 +59,9 @@ class WeightFormat:
         """The flat fp32 values of a weight; ``tensors["scales"]`` is already decoded to fp32
         when double quantization stored it as codes."""
         raise NotImplementedError
+
+    def dequantize_to(
+        self, tensors: dict[str, torch.Tensor], numel: int, block_size: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """:meth:`dequantize` rounded to ``dtype`` (a format may do both in one pass)."""
+        return self.dequantize(tensors, numel, block_size).to(dtype)

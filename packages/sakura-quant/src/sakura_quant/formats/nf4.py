@@ -16,6 +16,7 @@ import functools
 
 import torch
 
+from sakura_quant import _kernel
 from sakura_quant.formats._blocks import as_blocks, block_absmax, inverse, scale_blocks
 from sakura_quant.formats.base import WeightFormat
 
@@ -76,6 +77,9 @@ class NF4(WeightFormat):
     supports_double_quant = True
 
     def quantize(self, weight: torch.Tensor, block_size: int) -> dict[str, torch.Tensor]:
+        fast = _quantize_cpu(weight, block_size)
+        if fast is not None:
+            return fast
         numel = weight.numel()
         blocks = as_blocks(weight, block_size)
         absmax = block_absmax(blocks)
@@ -91,5 +95,73 @@ class NF4(WeightFormat):
         self, tensors: dict[str, torch.Tensor], numel: int, block_size: int
     ) -> torch.Tensor:
         data = tensors["data"]
-        values = _pair_table(data.device)[data.long()].view(-1)
+        values = torch.nn.functional.embedding(data.long(), _pair_table(data.device)).view(-1)
         return scale_blocks(values, tensors["scales"], numel, block_size)
+
+    def dequantize_to(
+        self, tensors: dict[str, torch.Tensor], numel: int, block_size: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        fast = _dequantize_cpu(tensors["data"], tensors["scales"], numel, block_size, dtype)
+        if fast is not None:
+            return fast
+        return self.dequantize(tensors, numel, block_size).to(dtype)
+
+
+# The C++ kernels (sakura_quant/csrc/nf4_cpu.cpp) do the same arithmetic as the torch code
+# above in one pass; they take contiguous CPU tensors in fp32 or bf16.
+_KERNEL_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def _threads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+def _quantize_cpu(weight: torch.Tensor, block_size: int) -> dict[str, torch.Tensor] | None:
+    suffix = _KERNEL_DTYPES.get(weight.dtype)
+    if suffix is None or weight.device.type != "cpu" or weight.requires_grad:
+        return None
+    lib = _kernel.load_kernel()
+    if lib is None:
+        return None
+    x = weight.detach().contiguous()
+    numel = x.numel()
+    absmax = torch.empty(-(-numel // block_size), dtype=torch.float32)
+    out = torch.empty((numel + 1) // 2, dtype=torch.uint8)
+    mid = _midpoints(torch.device("cpu"))
+    fn = getattr(lib, f"sakura_nf4_quantize_{suffix}")
+    fn(
+        x.data_ptr(),
+        numel,
+        block_size,
+        mid.data_ptr(),
+        absmax.data_ptr(),
+        out.data_ptr(),
+        _threads(),
+    )
+    return {"data": out, "scales": absmax}
+
+
+def _dequantize_cpu(
+    data: torch.Tensor, scales: torch.Tensor, numel: int, block_size: int, dtype: torch.dtype
+) -> torch.Tensor | None:
+    suffix = _KERNEL_DTYPES.get(dtype)
+    if suffix is None or data.device.type != "cpu" or scales.dtype != torch.float32:
+        return None
+    lib = _kernel.load_kernel()
+    if lib is None:
+        return None
+    data = data.contiguous()
+    scales = scales.contiguous()
+    out = torch.empty(numel, dtype=dtype)
+    code = _code(torch.device("cpu"))
+    fn = getattr(lib, f"sakura_nf4_dequantize_{suffix}")
+    fn(
+        data.data_ptr(),
+        scales.data_ptr(),
+        numel,
+        block_size,
+        code.data_ptr(),
+        out.data_ptr(),
+        _threads(),
+    )
+    return out

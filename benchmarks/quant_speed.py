@@ -1,0 +1,303 @@
+"""NF4 quantize / dequantize speed: sakura-quant against bitsandbytes and torchao, in one run.
+
+Variants, interleaved trial by trial on the same weight (``--size`` square, ``--dtype``):
+
+* ``sakura``        ``quantize_weight(w, "nf4")`` / ``dequantize_weight`` (C++ kernels)
+* ``sakura-torch``  the same with ``SAKURA_QUANT_NO_KERNEL=1`` (pure torch ops)
+* ``bnb``           ``bitsandbytes.functional.quantize_4bit(w, quant_type="nf4")`` /
+                    ``dequantize_4bit`` on the CPU — the reference of the ratios
+* ``torchao``       ``to_nf4(w, 64, 256)`` / ``NF4Tensor.get_original_weight()`` (torchao
+                    always double-quantizes its scales)
+
+Every library gets the same threads (``--threads`` sets ``OMP_NUM_THREADS`` before anything
+imports, and ``torch.set_num_threads``).  The run also checks that sakura's bytes and scales
+equal bitsandbytes' and that both dequantize to the same values.
+
+Reported per variant and operation: the median over trials, the min-max spread, and
+``bnb / variant`` (> 1: faster than bitsandbytes); the load average before and after.
+
+``--load-rss`` additionally measures ``load_model``'s peak memory: a Llama-shaped checkpoint
+(``--rss-layers`` layers of ``--rss-hidden``) is written to a temporary folder, then loaded in
+a fresh process, with NF4 and without quantizing, each reporting its peak RSS (``VmHWM``, reset
+after the imports, which includes the checkpoint pages read through the memory map) and its
+peak anonymous memory (``RssAnon``, sampled every 2 ms)
+above the RSS after the imports, against the checkpoint's size and the largest tensor.
+
+Run: ``python benchmarks/quant_speed.py`` (``--help``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def load_average() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--size", type=int, default=4096, help="weight is size x size (4096)")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--trials", type=int, default=7)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--skip", nargs="*", default=[], help="variants to leave out")
+    p.add_argument("--json", help="write the results here too")
+    p.add_argument("--load-rss", action="store_true", help="also measure load_model's peak RSS")
+    p.add_argument("--rss-layers", type=int, default=8)
+    p.add_argument("--rss-hidden", type=int, default=1024)
+    p.add_argument("--rss-child", nargs=2, metavar=("PATH", "QUANT"), help=argparse.SUPPRESS)
+    return p.parse_args()
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def speed(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    w = torch.randn(args.size, args.size, dtype=dtype) * 0.02
+
+    from sakura_quant import _kernel
+    from sakura_quant.weights import dequantize_weight, quantize_weight
+
+    def with_kernel(enabled: bool, fn: Callable[[], Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            os.environ[_kernel.NO_KERNEL_ENV] = "0" if enabled else "1"
+            try:
+                return fn()
+            finally:
+                os.environ.pop(_kernel.NO_KERNEL_ENV, None)
+
+        return run
+
+    variants: dict[str, tuple[Callable[[], Any], Callable[[Any], Callable[[], Any]]]] = {}
+    notes: dict[str, str] = {}
+    variants["sakura"] = (
+        with_kernel(True, lambda: quantize_weight(w, "nf4")),
+        lambda q: with_kernel(True, lambda: dequantize_weight(q)),
+    )
+    variants["sakura-torch"] = (
+        with_kernel(False, lambda: quantize_weight(w, "nf4")),
+        lambda q: with_kernel(False, lambda: dequantize_weight(q)),
+    )
+    try:
+        import bitsandbytes.functional as bnb
+
+        variants["bnb"] = (
+            lambda: bnb.quantize_4bit(w, quant_type="nf4"),
+            lambda q: lambda: bnb.dequantize_4bit(*q),
+        )
+    except Exception as exc:
+        notes["bnb"] = f"{type(exc).__name__}: {exc}"
+    try:
+        from torchao.quantization import NF4Tensor
+
+        variants["torchao"] = (
+            lambda: NF4Tensor.from_tensor(w, 64, 256),
+            lambda q: lambda: q.get_original_weight(),
+        )
+    except Exception as exc:
+        notes["torchao"] = f"{type(exc).__name__}: {exc}"
+    for name in args.skip:
+        variants.pop(name, None)
+
+    check: dict[str, Any] = {}
+    if "bnb" in variants:
+        q = quantize_weight(w, "nf4")
+        packed, state = variants["bnb"][0]()
+        check["bytes_equal_bnb"] = bool(torch.equal(q.tensors["data"], packed.view(-1)))
+        check["absmax_equal_bnb"] = bool(torch.equal(q.tensors["scales"], state.absmax))
+        check["dequantized_equal_bnb"] = bool(
+            torch.equal(dequantize_weight(q), bnb.dequantize_4bit(packed, state))
+        )
+
+    stored = {name: quantize() for name, (quantize, _) in variants.items()}  # warm-up
+    times: dict[str, dict[str, list[float]]] = {
+        n: {"quantize": [], "dequantize": []} for n in variants
+    }
+    for name, (_, dequantize) in variants.items():
+        dequantize(stored[name])()  # warm-up
+    for _ in range(args.trials):
+        for name, (quantize, dequantize) in variants.items():
+            times[name]["quantize"].append(timed(quantize))
+            times[name]["dequantize"].append(timed(dequantize(stored[name])))
+
+    results: dict[str, Any] = {}
+    for op in ("quantize", "dequantize"):
+        reference = statistics.median(times["bnb"][op]) if "bnb" in times else None
+        for name in variants:
+            ts = times[name][op]
+            med = statistics.median(ts)
+            results.setdefault(name, {})[op] = {
+                "median_ms": med * 1e3,
+                "min_ms": min(ts) * 1e3,
+                "max_ms": max(ts) * 1e3,
+                "bnb_over_this": (reference / med) if reference else None,
+            }
+    return {"results": results, "check": check, "notes": notes}
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status", encoding="ascii") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def rss_child(path: str, quant: str) -> None:
+    import torch
+
+    from sakura_quant import load_model
+
+    torch.set_num_threads(1)
+    import accelerate  # noqa: F401 - counted in the baseline, as load_model imports it
+    import transformers  # noqa: F401
+
+    # Reset the high-water mark after the imports (Linux: "5" > clear_refs), so the peak is
+    # the load's own.
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
+        fh.write("5")
+    base = _status_kib("VmRSS") * 1024
+    anon_base = _status_kib("RssAnon") * 1024
+    # Pages of the memory-mapped checkpoint that were read count in RSS (file-backed, the
+    # kernel may drop them); anonymous memory is what the load itself holds: sampled.
+    anon_peak = [anon_base]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.002):
+            anon_peak[0] = max(anon_peak[0], _status_kib("RssAnon") * 1024)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    model = load_model(path, None if quant == "none" else quant)
+    done.set()
+    sampler.join(timeout=5)
+    peak = _status_kib("VmHWM") * 1024
+    anon_peak[0] = max(anon_peak[0], _status_kib("RssAnon") * 1024)
+    kept = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    print(
+        json.dumps(
+            {
+                "baseline": base,
+                "peak": peak,
+                "anon_peak_above_baseline": anon_peak[0] - anon_base,
+                "model_bytes": kept,
+            }
+        )
+    )
+
+
+def load_rss(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=8192,
+        hidden_size=args.rss_hidden,
+        intermediate_size=args.rss_hidden * 11 // 4,
+        num_hidden_layers=args.rss_layers,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        max_position_embeddings=256,
+    )
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as folder:
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+        model.save_pretrained(folder)
+        sizes = [t.numel() * t.element_size() for t in model.state_dict().values()]
+        out["checkpoint_bytes"] = sum(sizes)
+        out["largest_tensor_bytes"] = max(sizes)
+        del model
+        for quant in ("nf4", "none"):
+            proc = subprocess.run(
+                [sys.executable, __file__, "--rss-child", folder, quant],
+                capture_output=True,
+                text=True,
+                timeout=600,
+                check=True,
+            )
+            row = json.loads(proc.stdout.strip().splitlines()[-1])
+            row["peak_above_baseline"] = row["peak"] - row["baseline"]
+            row["peak_minus_model"] = row["peak_above_baseline"] - row["model_bytes"]
+            out[quant] = row
+    return out
+
+
+def main() -> None:
+    args = parse()
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before torch / bitsandbytes import
+    if args.rss_child:
+        rss_child(*args.rss_child)
+        return
+    report: dict[str, Any] = {
+        "size": args.size,
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "trials": args.trials,
+        "load_before": load_average(),
+    }
+    report.update(speed(args))
+    if args.load_rss:
+        report["load_model_rss"] = load_rss(args)
+    report["load_after"] = load_average()
+
+    print(
+        f"NF4, {args.size}x{args.size} {args.dtype}, {args.threads} thread(s), "
+        f"{args.trials} trials; load {report['load_before']} -> {report['load_after']}"
+    )
+    for key, value in report["check"].items():
+        print(f"  {key}: {value}")
+    for name, why in report["notes"].items():
+        print(f"  {name} not run: {why}")
+    print(f"  {'variant':14s} {'op':11s} {'median ms':>10s} {'min-max ms':>17s} {'bnb/this':>9s}")
+    for name, ops in report["results"].items():
+        for op, r in ops.items():
+            ratio = f"{r['bnb_over_this']:.2f}x" if r["bnb_over_this"] else "-"
+            print(
+                f"  {name:14s} {op:11s} {r['median_ms']:10.1f} "
+                f"{r['min_ms']:8.1f}-{r['max_ms']:<8.1f} {ratio:>9s}"
+            )
+    if "load_model_rss" in report:
+        rss = report["load_model_rss"]
+        mib = 1 / 2**20
+        print(
+            f"  load_model: checkpoint {rss['checkpoint_bytes'] * mib:.0f} MiB (bf16), "
+            f"largest tensor {rss['largest_tensor_bytes'] * mib:.0f} MiB"
+        )
+        for quant in ("nf4", "none"):
+            row = rss[quant]
+            print(
+                f"    quantize={quant!r}: model {row['model_bytes'] * mib:.0f} MiB; above the "
+                f"imports: peak RSS {row['peak_above_baseline'] * mib:.0f} MiB (with the "
+                f"checkpoint pages read through the map), peak anonymous "
+                f"{row['anon_peak_above_baseline'] * mib:.0f} MiB (sampled every 2 ms)"
+            )
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(report, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""The C++ NF4 kernels give the same bits as the pure-torch path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sakura_quant import _kernel
+from sakura_quant.formats.nf4 import _midpoints
+from sakura_quant.weights import dequantize_weight, quantize_weight
+
+if _kernel.kernel_disabled() or _kernel.load_kernel() is None:
+    pytest.skip("the C++ NF4 kernels are not available here", allow_module_level=True)
+
+
+def _both(
+    monkeypatch: pytest.MonkeyPatch, w: torch.Tensor, block_size: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    results = []
+    for disabled in ("1", "0"):
+        monkeypatch.setenv(_kernel.NO_KERNEL_ENV, disabled)
+        q = quantize_weight(w, "nf4", block_size=block_size)
+        results.append(
+            [
+                q.tensors["data"],
+                q.tensors["scales"],
+                dequantize_weight(q),
+                dequantize_weight(q, torch.float32),
+                dequantize_weight(q, torch.bfloat16),
+            ]
+        )
+    return results[0], results[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("shape", "block_size"), [((64, 64), 64), ((33, 51), 64), ((7, 9), 2), ((40, 96), 256)]
+)
+def test_kernel_equals_torch_path(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, shape: tuple[int, int], block_size: int
+) -> None:
+    w = (torch.randn(shape) * torch.rand(shape[0], 1) * 5).to(dtype)
+    w[0, :3] = 0
+    torch_path, kernel_path = _both(monkeypatch, w, block_size)
+    for a, b in zip(torch_path, kernel_path, strict=True):
+        assert a.dtype == b.dtype
+        assert torch.equal(a, b)
+
+
+def test_kernel_ties_and_neighbours(monkeypatch: pytest.MonkeyPatch) -> None:
+    # One block of 64 whose absmax is 1.0: the scaled values are the values themselves,
+    # so the midpoints and their neighbouring floats are exercised exactly.
+    mid = _midpoints(torch.device("cpu"))
+    up = torch.nextafter(mid, torch.full_like(mid, 2.0))
+    down = torch.nextafter(mid, torch.full_like(mid, -2.0))
+    values = torch.cat([mid, up, down, torch.tensor([1.0, -1.0, 0.0, -0.0])])
+    values = torch.nn.functional.pad(values, (0, 64 - values.numel()))
+    torch_path, kernel_path = _both(monkeypatch, values, 64)
+    assert torch.equal(torch_path[0], kernel_path[0])
