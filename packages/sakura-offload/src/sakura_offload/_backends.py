@@ -120,8 +120,6 @@ class KernelBackend:
             m_absmax.data_ptr(),
             s_codes.data_ptr(),
             s_absmax.data_ptr(),
-            fmt.SIGNED_TABLE.data_ptr(),
-            fmt.UNSIGNED_TABLE.data_ptr(),
             p.numel(),
             *h.floats(),
             h.key,

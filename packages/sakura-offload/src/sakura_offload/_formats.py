@@ -77,7 +77,6 @@ def element_bits(key: int, n: int) -> torch.Tensor:
 
 def _table(signed: bool) -> torch.Tensor:
     mantissa_bits = 3 if signed else 4
-    top = SIGNED_MAX if signed else UNSIGNED_MAX
     values = []
     for mag in range(128 if signed else 256):
         exponent, mantissa = mag >> mantissa_bits, mag & ((1 << mantissa_bits) - 1)
@@ -85,16 +84,17 @@ def _table(signed: bool) -> torch.Tensor:
             value = mantissa * 2.0 ** (-14 - mantissa_bits)
         else:
             value = (1 + mantissa / (1 << mantissa_bits)) * 2.0 ** (exponent - 15)
-        values.append(value / top)
+        values.append(value)
     if signed:
         values += [-v for v in values]
     return torch.tensor(values, dtype=torch.float32)
 
 
 SIGNED_TABLE = _table(signed=True)
-"""Code -> value relative to the block absmax, for ``exp_avg`` (256 float32)."""
+"""Code -> value for ``exp_avg`` (256 float32, up to :data:`SIGNED_MAX`); a value is
+``SIGNED_TABLE[code] * (absmax / SIGNED_MAX)``."""
 UNSIGNED_TABLE = _table(signed=False)
-"""Code -> value relative to the block absmax, for ``sqrt(exp_avg_sq)`` (256 float32)."""
+"""Code -> value for ``sqrt(exp_avg_sq)`` (256 float32, up to :data:`UNSIGNED_MAX`)."""
 
 
 def blocks_for(numel: int) -> int:
@@ -128,13 +128,15 @@ def encode_unsigned_stochastic(a: torch.Tensor, bits: torch.Tensor) -> torch.Ten
 
 def decode_signed(codes: torch.Tensor, absmax: torch.Tensor, numel: int) -> torch.Tensor:
     """The float32 values (first ``numel``) of padded ``codes`` with one absmax per block."""
-    values = SIGNED_TABLE[codes.to(torch.int64)].view(-1, BLOCK) * absmax.view(-1, 1)
+    scale = (absmax / SIGNED_MAX).view(-1, 1)
+    values = SIGNED_TABLE[codes.to(torch.int64)].view(-1, BLOCK) * scale
     return values.reshape(-1)[:numel]
 
 
 def decode_unsigned(codes: torch.Tensor, absmax: torch.Tensor, numel: int) -> torch.Tensor:
     """As :func:`decode_signed`, for the unsigned (square-root) codes."""
-    values = UNSIGNED_TABLE[codes.to(torch.int64)].view(-1, BLOCK) * absmax.view(-1, 1)
+    scale = (absmax / UNSIGNED_MAX).view(-1, 1)
+    values = UNSIGNED_TABLE[codes.to(torch.int64)].view(-1, BLOCK) * scale
     return values.reshape(-1)[:numel]
 
 

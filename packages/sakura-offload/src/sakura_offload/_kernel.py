@@ -35,7 +35,7 @@ logger = logging.getLogger("sakura_offload.kernel")
 
 NO_KERNEL_ENV = "SAKURA_OFFLOAD_NO_KERNEL"
 CACHE_ENV = "SAKURA_OFFLOAD_CACHE"
-ABI_VERSION = 1
+ABI_VERSION = 2
 SOURCE = Path(__file__).with_name("csrc") / "host_adamw.cpp"
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
 LDFLAGS = ("-fopenmp",)
@@ -61,6 +61,10 @@ class Kernel:
     @property
     def int8(self) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
         return self.library.sakura_adamw_int8
+
+    @property
+    def decode_tables(self) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+        return self.library.sakura_decode_tables
 
     @property
     def triad(self) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
@@ -113,7 +117,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sakura_adamw_fp32.restype = None
     lib.sakura_adamw_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, *hyper, u32, i32]
     lib.sakura_adamw_bf16.restype = None
-    lib.sakura_adamw_int8.argtypes = [ptr] * 8 + [i64, *hyper, u32, i32]
+    lib.sakura_adamw_int8.argtypes = [ptr] * 6 + [i64, *hyper, u32, i32]
+    lib.sakura_decode_tables.argtypes = [ptr, ptr]
+    lib.sakura_decode_tables.restype = None
     lib.sakura_adamw_int8.restype = None
     lib.sakura_triad.argtypes = [ptr, ptr, ptr, f, i64, i32]
     lib.sakura_triad.restype = None

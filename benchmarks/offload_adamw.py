@@ -1,0 +1,219 @@
+"""Host AdamW step time: sakura-offload's OffloadAdamW against its rivals, in one run.
+
+Variants, interleaved trial by trial over the same parameters and gradients (each
+optimizer keeps its own state):
+
+* ``torch-foreach``   ``torch.optim.AdamW(foreach=True)``
+* ``torch-fused``     ``torch.optim.AdamW(fused=True)`` (torch's fused CPU kernel) — the
+                      reference of the ratios
+* ``deepspeed``       ``deepspeed.ops.adam.DeepSpeedCPUAdam(adamw_mode=True)`` when deepspeed
+                      imports and its op builds (the reason is printed otherwise)
+* ``bnb-8bit``        ``bitsandbytes.optim.AdamW8bit`` on CPU, when it imports
+* ``sakura-fp32`` / ``sakura-bf16`` / ``sakura-int8``  ``OffloadAdamW`` (C++ kernel) with
+                      that ``moment_dtype``
+
+A STREAM-like triad (``a = b + k * c`` over three arrays as large as the parameters, with
+the same threads) is measured in the same run; each variant's step is also reported as the
+fraction of that bandwidth it reaches, counting the bytes AdamW must move per parameter:
+28 with fp32 moments (read weight, gradient, two moments; write weight and two moments),
+20 with bf16 moments, 16 with 8-bit moments (the absmax per 256 values is ignored).
+
+Reported: per variant the median over trials of the per-trial mean step time, the min-max
+spread, the ratio to ``torch-fused`` (> 1: slower) and the bandwidth fraction; the load
+average before and after.  Run: ``python benchmarks/offload_adamw.py`` (``--help``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+BYTES_PER_PARAM = {"fp32": 28, "bf16": 20, "int8": 16}
+VARIANTS = (
+    "torch-foreach",
+    "torch-fused",
+    "deepspeed",
+    "bnb-8bit",
+    "sakura-fp32",
+    "sakura-bf16",
+    "sakura-int8",
+)
+REFERENCE = "torch-fused"
+
+
+def load_average() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
+def make_tensors(args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    sizes = [args.params // args.tensors] * args.tensors
+    sizes[-1] += args.params - sum(sizes)
+    params = [torch.nn.Parameter(torch.randn(n, generator=g) * 0.02) for n in sizes]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g) * 1e-3
+    return params, [p.grad for p in params]
+
+
+def build(name: str, params: list[Any]) -> tuple[Any, str]:
+    """(optimizer, bytes key) for ``name``; raises with the reason when unavailable."""
+    import torch
+
+    hyper: dict[str, Any] = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+    if name == "torch-foreach":
+        return torch.optim.AdamW(params, foreach=True, **hyper), "fp32"
+    if name == "torch-fused":
+        return torch.optim.AdamW(params, fused=True, **hyper), "fp32"
+    if name == "deepspeed":
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(params, adamw_mode=True, **hyper), "fp32"
+    if name == "bnb-8bit":
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(params, **hyper), "int8"
+    from sakura_offload import OffloadAdamW
+
+    dtype = name.removeprefix("sakura-")
+    return OffloadAdamW(params, moment_dtype=dtype, backend="cpp", **hyper), dtype
+
+
+def time_steps(optimizer: Any, steps: int) -> float:
+    start = time.perf_counter()
+    for _ in range(steps):
+        optimizer.step()
+    return (time.perf_counter() - start) / steps
+
+
+def triad(n: int, threads: int, trials: int) -> dict[str, float]:
+    """Best-of-trials bandwidth (GB/s) of a = b + k*c, by torch and by sakura's kernel."""
+    import torch
+
+    from sakura_offload._kernel import load_kernel
+
+    a, b, c = torch.empty(n), torch.rand(n), torch.rand(n)
+    kernel = load_kernel(required=True)
+    assert kernel is not None
+    ways: dict[str, Callable[[], None]] = {
+        "torch": lambda: torch.add(b, c, alpha=3.0, out=a),
+        "sakura": lambda: kernel.triad(a.data_ptr(), b.data_ptr(), c.data_ptr(), 3.0, n, threads),
+    }
+    best: dict[str, float] = {}
+    for name, run in ways.items():
+        run()
+        times = []
+        for _ in range(trials):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+        best[name] = 12 * n / min(times) / 1e9
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--params", type=int, default=50_000_000, help="parameters in all")
+    parser.add_argument("--tensors", type=int, default=8, help="split into this many tensors")
+    parser.add_argument("--trials", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per trial")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's)"
+    )
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    load_before = load_average()
+    params, _ = make_tensors(args)
+
+    optimizers: dict[str, tuple[Any, str]] = {}
+    skipped: dict[str, str] = {}
+    for name in args.variants:
+        try:
+            optimizers[name] = build(name, params)
+        except Exception as exc:  # a rival that does not install or build here
+            skipped[name] = (
+                f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+            )
+    for optimizer, _ in optimizers.values():
+        time_steps(optimizer, args.warmup)
+
+    samples: dict[str, list[float]] = {name: [] for name in optimizers}
+    bandwidth: list[dict[str, float]] = []
+    for trial in range(args.trials):
+        order = list(optimizers) if trial % 2 == 0 else list(reversed(optimizers))
+        for name in order:
+            samples[name].append(time_steps(optimizers[name][0], args.steps))
+        bandwidth.append(triad(args.params, threads, 3))
+    best_bw = max(max(b.values()) for b in bandwidth)
+
+    results: dict[str, Any] = {}
+    ref = statistics.median(samples[REFERENCE]) if REFERENCE in samples else None
+    for name, times in samples.items():
+        median = statistics.median(times)
+        moved = BYTES_PER_PARAM[optimizers[name][1]] * args.params
+        results[name] = {
+            "median_ms": median * 1e3,
+            "min_ms": min(times) * 1e3,
+            "max_ms": max(times) * 1e3,
+            "vs_fused": median / ref if ref else None,
+            "bandwidth_fraction": moved / median / 1e9 / best_bw,
+            "bytes_per_param": BYTES_PER_PARAM[optimizers[name][1]],
+        }
+    report = {
+        "params": args.params,
+        "tensors": args.tensors,
+        "threads": threads,
+        "trials": args.trials,
+        "steps_per_trial": args.steps,
+        "triad_gb_s": {
+            "best": best_bw,
+            "torch_median": statistics.median(b["torch"] for b in bandwidth),
+            "sakura_median": statistics.median(b["sakura"] for b in bandwidth),
+        },
+        "load_before": load_before,
+        "load_after": load_average(),
+        "results": results,
+        "skipped": skipped,
+    }
+    print(
+        f"host AdamW step, {args.params / 1e6:.0f} M parameters, {threads} thread(s), "
+        f"{args.trials} trials x {args.steps} steps; triad {best_bw:.1f} GB/s"
+    )
+    print(
+        f"{'variant':<15}{'median ms':>11}{'spread ms':>17}{'x fused':>9}{'B/param':>9}{'of triad':>10}"
+    )
+    for name, r in results.items():
+        ratio = f"{r['vs_fused']:.2f}" if r["vs_fused"] else "-"
+        print(
+            f"{name:<15}{r['median_ms']:>11.1f}{r['min_ms']:>8.1f} - {r['max_ms']:<6.1f}"
+            f"{ratio:>9}{r['bytes_per_param']:>9}{r['bandwidth_fraction']:>10.0%}"
+        )
+    for name, why in skipped.items():
+        print(f"{name:<15} skipped: {why}")
+    print(f"load average before: {load_before}; after: {report['load_after']}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as out:
+            json.dump(report, out, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
