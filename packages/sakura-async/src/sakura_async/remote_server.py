@@ -150,6 +150,8 @@ class RemoteWorkerServer:
     def stop(self) -> None:
         self._stopping.set()
         with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in accept()
+        with contextlib.suppress(OSError):
             self.sock.close()
 
     def _authenticate(self, conn: socket.socket, peer: Any) -> socket.socket | None:
