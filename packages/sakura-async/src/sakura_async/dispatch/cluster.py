@@ -1,8 +1,11 @@
 """ClusterDispatcher: tasks run on a Dask distributed cluster.
 
 For users who outgrow one machine: give the address of a running scheduler
-(``ClusterDispatcher("tcp://scheduler:8786")``), or let the dispatcher start a
-``LocalCluster`` bound to 127.0.0.1 (no dashboard).  Needs the ``dask`` extra::
+(``ClusterDispatcher("tls://scheduler:8786", security=...)``), or let the dispatcher start
+a ``LocalCluster`` bound to 127.0.0.1 (no dashboard).  The cluster it starts uses mutual
+TLS with a throw-away certificate authority (``distributed.security.Security.temporary()``):
+only this process holds a client certificate, so another local user cannot submit code to
+it.  ``insecure=True`` starts it without TLS (with a warning).  Needs the ``dask`` extra::
 
     pip install 'sakura-async[dask]'
 
@@ -14,18 +17,26 @@ module decodes and runs it.  So a function travels exactly as with ``LocalDispat
 worker fails that task instead of breaking the worker's connection (which is what Dask's own
 by-reference pickling of a function the worker cannot import does).  Dask retries a task
 elsewhere if its worker dies (up to the scheduler's ``allowed-failures``); a task that
-exhausts its retries fails with Dask's ``KilledWorker``.  Securing a remote scheduler (TLS, authentication) is Dask's
-configuration (``distributed.security.Security``, passed as ``security=``).
+exhausts its retries fails with Dask's ``KilledWorker``.  Securing a remote scheduler (TLS,
+authentication) is Dask's configuration (``distributed.security.Security``, passed as
+``security=``).  A task over ``task_timeout`` fails with TaskTimeoutError and is cancelled
+on the cluster.
 """
 
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from sakura.options import check_int
-from sakura_async.dispatch.base import Dispatcher, TaskFuture
+from sakura.options import check_bool, check_int, option_error
+from sakura_async.dispatch.base import (
+    DEFAULT_INTERRUPT_GRACE,
+    DEFAULT_TASK_TIMEOUT,
+    Dispatcher,
+    TaskFuture,
+)
 from sakura_async.wire.serialize import Encoder
 
 __all__ = ["ClusterDispatcher"]
@@ -58,10 +69,14 @@ class ClusterDispatcher(Dispatcher):
         n_workers, threads_per_worker, processes: the LocalCluster's shape (ignored with
             an address).
         max_pending: unfinished tasks allowed before ``submit`` blocks.
-        security: a ``distributed.security.Security`` for a TLS scheduler.
+        security: a ``distributed.security.Security`` for a TLS scheduler, or for the local
+            cluster (default for the local cluster: ``Security.temporary()``, mutual TLS).
+        insecure: start the local cluster without TLS (any local user can then submit
+            code to it); warns.  Not allowed together with ``security``.
         cluster_kwargs: more ``LocalCluster`` options (its ``host`` stays 127.0.0.1).
         start_timeout: seconds to wait for a local cluster's workers to start before
             failing with a TimeoutError.
+        task_timeout, interrupt_grace: see :class:`~sakura_async.dispatch.Dispatcher`.
     """
 
     kind = "cluster"
@@ -77,8 +92,21 @@ class ClusterDispatcher(Dispatcher):
         security: Any = None,
         cluster_kwargs: Mapping[str, Any] | None = None,
         start_timeout: float = 120.0,
+        insecure: bool = False,
+        task_timeout: float | None = DEFAULT_TASK_TIMEOUT,
+        interrupt_grace: float = DEFAULT_INTERRUPT_GRACE,
     ) -> None:
-        super().__init__(max_pending=max_pending)
+        super().__init__(
+            max_pending=max_pending, task_timeout=task_timeout, interrupt_grace=interrupt_grace
+        )
+        self.insecure: bool = check_bool("insecure", insecure, owner="ClusterDispatcher")
+        if insecure and security is not None:
+            raise option_error(
+                "insecure",
+                insecure,
+                "False when security is given (insecure=True means: no security)",
+                owner="ClusterDispatcher",
+            )
         if address is not None and not isinstance(address, str) and not hasattr(address, "submit"):
             raise TypeError(
                 f"address must be a scheduler address such as 'tcp://host:8786', a "
@@ -111,6 +139,7 @@ class ClusterDispatcher(Dispatcher):
         self._cluster: Any = None
         self._owns_client = False
         self._lock = threading.Lock()
+        self._running: dict[int, Any] = {}  # task id -> Dask future, for timeouts
 
     @property
     def client(self) -> Any:
@@ -140,8 +169,22 @@ class ClusterDispatcher(Dispatcher):
                 # keep it on loopback, on a free port.
                 "dashboard_address": "127.0.0.1:0",
             }
+            if self.insecure:
+                warnings.warn(
+                    "ClusterDispatcher(insecure=True): the local Dask cluster accepts tasks "
+                    "(arbitrary code) from any user of this machine over plain TCP",
+                    UserWarning,
+                    stacklevel=4,
+                )
+            elif self.security is None:
+                from distributed.security import Security
+
+                self.security = Security.temporary()
             if self.security is not None:
                 options["security"] = self.security
+            # Over the loopback network also with processes=False (Dask's in-process
+            # transport takes no host), so that TLS applies there too.
+            options["protocol"] = "tls://" if self.security is not None else "tcp://"
             options.update(self.cluster_kwargs)
             self._cluster = distributed.LocalCluster(**options)
             self._client = distributed.Client(self._cluster, security=self.security)
@@ -161,9 +204,11 @@ class ClusterDispatcher(Dispatcher):
     ) -> None:
         body = b"".join(bytes(chunk) for chunk in Encoder(placer=None).encode((fn, args, kwargs)))
         dask_future = self.client.submit(_run_encoded, body, pure=False)
+        self._running[future.task_id] = dask_future
         future.mark_submitted()
 
         def done(f: Any) -> None:
+            self._running.pop(future.task_id, None)
             try:
                 outcome = f.result()
             except BaseException as exc:  # KilledWorker, a cancelled future...
@@ -176,6 +221,11 @@ class ClusterDispatcher(Dispatcher):
         dask_future.add_done_callback(
             lambda f: threading.Thread(target=done, args=(f,), daemon=True).start()
         )
+
+    def handle_timeout(self, future: TaskFuture) -> None:
+        dask_future = self._running.pop(future.task_id, None)
+        if dask_future is not None:
+            dask_future.cancel()
 
     def close_resources(self, wait: bool) -> None:
         if self._owns_client and self._client is not None:
