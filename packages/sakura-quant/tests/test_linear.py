@@ -137,3 +137,36 @@ def test_errors(make_tiny_lm: Callable[[], nn.Module]) -> None:
     with pytest.raises(OptionError, match=r"freeze=1"):
         quantize_model(frozen, "nf4", freeze=1)  # type: ignore[arg-type]
     assert not any(isinstance(m, QuantizedLinear) for m in frozen.modules())
+
+
+def test_keep_precise_stores_the_most_hurt_weights_as_int8(
+    make_tiny_lm: Callable[[], nn.Module],
+) -> None:
+    model = make_tiny_lm().requires_grad_(False)
+    # Give one weight heavy outliers: NF4 hurts it most, so it is the one kept in int8.
+    with torch.no_grad():
+        model.layers[1].v_proj.weight[:, ::7] *= 40.0
+    originals = {n: m.weight.clone() for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    # NF4 of a 64x64 weight: 2048 + 256 bytes; int8: 4096 + 256, so 2048 extra. A budget of
+    # 0.25 of 4 x 2304 bytes allows one weight.
+    stats = quantize_model(model, "nf4", keep_precise=0.25)
+    assert stats["kept_precise"] == 1
+    assert model.layers[1].v_proj.format == "int8"
+    assert [m.format for m in model.modules() if isinstance(m, QuantizedLinear)].count("nf4") == 3
+    assert stats["bytes_after"] == 3 * 2304 + 4352
+    w = originals["layers.1.v_proj"]
+    err_int8 = (model.layers[1].v_proj.dequantize() - w).norm() / w.norm()
+    assert err_int8.item() < 0.01
+    # "auto" (5 %) has no room for a whole int8 weight here: nothing is kept.
+    other = make_tiny_lm().requires_grad_(False)
+    assert quantize_model(other, "nf4", keep_precise="auto")["kept_precise"] == 0
+
+
+@pytest.mark.parametrize(
+    ("fmt", "value"), [("int8", 0.1), ("nf4", 0.6), ("nf4", "yes"), ("nf4", -0.1)]
+)
+def test_keep_precise_rejects(
+    fmt: str, value: object, make_tiny_lm: Callable[[], nn.Module]
+) -> None:
+    with pytest.raises(OptionError, match=r"quantize_model: keep_precise="):
+        quantize_model(make_tiny_lm().requires_grad_(False), fmt, keep_precise=value)

@@ -45,4 +45,7 @@ def test_python_blocks_run(page: str, tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr[-4000:]
     if page == "README.md":
-        assert "{'tensors': 2, 'bytes_before': 18432, 'bytes_after': 2592}" in result.stdout
+        assert (
+            "{'tensors': 2, 'kept_precise': 0, 'bytes_before': 18432, 'bytes_after': 2592}"
+            in result.stdout
+        )

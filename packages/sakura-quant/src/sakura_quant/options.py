@@ -50,6 +50,32 @@ def check_double_quant(fmt: str, value: Any, *, owner: str) -> bool:
     return flag
 
 
+PRECISE_FORMAT = {"nf4": "int8", "nvfp4": "fp8"}
+"""The one-step-more-precise format ``keep_precise`` stores a weight in."""
+KEEP_PRECISE_AUTO = 0.05
+_KEEP_PRECISE_ACCEPTED = "0, False, None, 'auto', True (= 0.05), or a fraction in (0, 0.5]"
+
+
+def check_keep_precise(fmt: str, value: Any, *, owner: str) -> float:
+    """``keep_precise`` as a fraction of extra bytes (0.0: off); only nf4 / nvfp4 take one."""
+    if value is None or value is False or (not isinstance(value, bool) and value == 0):
+        return 0.0
+    if value is True or value == "auto":
+        fraction = KEEP_PRECISE_AUTO
+    elif isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 0.5:
+        fraction = float(value)
+    else:
+        raise option_error("keep_precise", value, _KEEP_PRECISE_ACCEPTED, owner=owner)
+    if fmt not in PRECISE_FORMAT:
+        raise option_error(
+            "keep_precise",
+            value,
+            f"0 / False / None with format={fmt!r} (keep_precise applies to 'nf4' and 'nvfp4')",
+            owner=owner,
+        )
+    return fraction
+
+
 def check_names(option: str, value: Any, *, owner: str, allow_none: bool) -> tuple[str, ...] | None:
     """A list/tuple of module names (``None`` when allowed)."""
     if value is None and allow_none:

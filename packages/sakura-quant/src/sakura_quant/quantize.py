@@ -4,11 +4,21 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from sakura.options import check_bool, option_error
+from sakura_quant.formats import QuantizedWeight
 from sakura_quant.linear import QuantizedLinear
-from sakura_quant.options import check_block_size, check_double_quant, check_format, check_names
+from sakura_quant.options import (
+    PRECISE_FORMAT,
+    check_block_size,
+    check_double_quant,
+    check_format,
+    check_keep_precise,
+    check_names,
+)
+from sakura_quant.weights import dequantize_weight, quantize_weight
 
 __all__ = ["DEFAULT_SKIP", "quantize_model"]
 
@@ -104,11 +114,13 @@ def quantize_model(
     targets: Any = None,
     skip: Any = DEFAULT_SKIP,
     freeze: bool = False,
+    keep_precise: Any = 0,
 ) -> dict[str, int]:
     """Quantize the weights of ``model``'s ``nn.Linear`` layers in place, one at a time.
 
     Each target becomes a :class:`~sakura_quant.QuantizedLinear` (its bias kept). Returns
-    ``{"tensors": count, "bytes_before": ..., "bytes_after": ...}`` (weight bytes only).
+    ``{"tensors": count, "kept_precise": count, "bytes_before": ..., "bytes_after": ...}``
+    (weight bytes only).
 
     Args:
         format: ``"nf4"``, ``"int8"``, ``"fp8"`` or ``"nvfp4"``.
@@ -121,6 +133,12 @@ def quantize_model(
             default ``("lm_head",)``.
         freeze: the quantized weights are frozen; with ``False`` (default) a target weight
             that still requires grad is an error, with ``True`` it is frozen silently.
+        keep_precise: with ``"nf4"`` / ``"nvfp4"``: the weights that lose the most (relative
+            error of each, measured one by one) are stored one step more precise (int8 /
+            fp8), most-hurt first, as long as the extra bytes stay within this fraction of
+            the quantized weights' bytes. ``0`` / ``False`` / ``None``: off; ``"auto"`` /
+            ``True``: 0.05; a fraction up to 0.5. While it measures, the original weights
+            and their quantized forms are in memory together.
     """
     fmt = check_format(format, owner=_OWNER)
     size = check_block_size(fmt, block_size, owner=_OWNER)
@@ -128,6 +146,7 @@ def quantize_model(
     wanted = check_names("targets", targets, owner=_OWNER, allow_none=True)
     skipped = check_names("skip", skip, owner=_OWNER, allow_none=False) or ()
     check_bool("freeze", freeze, owner=_OWNER)
+    precise_share = check_keep_precise(fmt, keep_precise, owner=_OWNER)
     if not isinstance(model, nn.Module):
         raise option_error("model", model, "a torch.nn.Module", owner=_OWNER)
 
@@ -142,16 +161,54 @@ def quantize_model(
                     "cannot train: call model.requires_grad_(False) first or pass freeze=True)",
                     owner=_OWNER,
                 )
-    stats = {"tensors": 0, "bytes_before": 0, "bytes_after": 0}
+    chosen = _choose_precise(found, fmt, size, dq, precise_share) if precise_share else {}
+    stats = {"tensors": 0, "kept_precise": 0, "bytes_before": 0, "bytes_after": 0}
     for name, module in found:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         weight = module.weight
-        quantized = QuantizedLinear.from_linear(module, fmt, block_size=size, double_quant=dq).to(
-            weight.device
+        qweight = chosen.get(name) or quantize_weight(
+            weight.detach(), fmt, block_size=size, double_quant=dq
         )
+        quantized = QuantizedLinear(qweight, module.bias)
         setattr(parent, attr, quantized)
         stats["tensors"] += 1
+        stats["kept_precise"] += name in chosen
         stats["bytes_before"] += weight.numel() * weight.element_size()
         stats["bytes_after"] += quantized.quantized_nbytes
     return stats
+
+
+def _relative_error(weight: torch.Tensor, qweight: QuantizedWeight) -> float:
+    w = weight.detach().float()
+    err = (dequantize_weight(qweight, torch.float32) - w).norm() / w.norm().clamp(min=1e-30)
+    return float(err)
+
+
+def _choose_precise(
+    found: list[tuple[str, nn.Linear]], fmt: str, size: int, dq: bool, share: float
+) -> dict[str, QuantizedWeight]:
+    """The weights ``keep_precise`` stores in the more precise format, quantized so."""
+    precise = PRECISE_FORMAT[fmt]
+    precise_dq = dq and precise in ("int8", "nf4")
+    measured = []
+    budget = 0.0
+    for name, module in found:
+        base = quantize_weight(module.weight.detach(), fmt, block_size=size, double_quant=dq)
+        budget += share * base.nbytes
+        measured.append((_relative_error(module.weight, base), name, module, base.nbytes))
+    chosen: dict[str, QuantizedWeight] = {}
+    spent = 0.0
+    for _, name, module, base_bytes in sorted(measured, key=lambda m: -m[0]):
+        better = quantize_weight(
+            module.weight.detach(),
+            precise,
+            block_size=size if precise == "int8" else None,
+            double_quant=precise_dq,
+        )
+        extra = better.nbytes - base_bytes
+        if spent + extra > budget:
+            continue
+        spent += extra
+        chosen[name] = better
+    return chosen

@@ -9,7 +9,13 @@ from torch import nn
 
 from sakura.options import check_bool
 from sakura.service import Service
-from sakura_quant.options import check_block_size, check_double_quant, check_format, check_names
+from sakura_quant.options import (
+    check_block_size,
+    check_double_quant,
+    check_format,
+    check_keep_precise,
+    check_names,
+)
 from sakura_quant.quantize import DEFAULT_SKIP, quantize_model
 
 __all__ = ["QuantizedBase"]
@@ -43,6 +49,7 @@ class QuantizedBase(Service):
         targets: Any = None,
         skip: Any = DEFAULT_SKIP,
         freeze: bool = False,
+        keep_precise: Any = 0,
     ) -> None:
         self.format = check_format(format, owner=_OWNER)
         self.block_size = check_block_size(self.format, block_size, owner=_OWNER)
@@ -50,6 +57,7 @@ class QuantizedBase(Service):
         self.targets = check_names("targets", targets, owner=_OWNER, allow_none=True)
         self.skip = check_names("skip", skip, owner=_OWNER, allow_none=False) or ()
         self.freeze = check_bool("freeze", freeze, owner=_OWNER)
+        self.keep_precise = check_keep_precise(self.format, keep_precise, owner=_OWNER)
         self.stats: dict[str, int] = {}
         self._done: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
@@ -72,6 +80,7 @@ class QuantizedBase(Service):
             targets=self.targets,
             skip=self.skip,
             freeze=self.freeze,
+            keep_precise=self.keep_precise,
         )
         self._done.add(model)
         return model
