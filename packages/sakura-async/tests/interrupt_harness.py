@@ -14,10 +14,10 @@ import sys
 import time
 
 import torch
-from sakura_async import AsyncCheckpoint
-from sakura_async.dispatch import LocalDispatcher
 
 from sakura import OnEpochEnd, SakuraRuntime
+from sakura_async import AsyncCheckpoint
+from sakura_async.dispatch import LocalDispatcher
 
 
 def main() -> None:

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import torch
+
 from sakura_async import load_latest
 
 HARNESS = Path(__file__).with_name("interrupt_harness.py")

@@ -140,9 +140,12 @@ def test_a_proof_for_one_client_nonce_does_not_work_for_another() -> None:
             conn.sendall(recorded[0])
             time.sleep(0.5)
 
-        with fake_worker(replay) as port, socket.create_connection(("127.0.0.1", port)) as s:
-            with pytest.raises(AuthenticationError, match="failed to prove the shared token"):
-                client_handshake(s, TOKEN, timeout=20)
+        with (
+            fake_worker(replay) as port,
+            socket.create_connection(("127.0.0.1", port)) as s,
+            pytest.raises(AuthenticationError, match="failed to prove the shared token"),
+        ):
+            client_handshake(s, TOKEN, timeout=20)
     finally:
         server.stop()
 
