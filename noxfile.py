@@ -79,7 +79,7 @@ PRE_COMMIT_CONFIG = ROOT / ".pre-commit-config.yaml"
 TEST_REQUIREMENTS = ["pytest>=7", "lightning", "transformers"]
 DOCS_TESTS = ROOT / "tests-docs"
 DEMO_REPORTS = ROOT / "reports" / "demo"
-LINT_PATHS = ["core", "packages", "benchmarks", "tests-integration", "noxfile.py"]
+LINT_PATHS = ["core", "packages", "benchmarks", "tests-integration", "tests-docs", "noxfile.py"]
 
 
 # --- Interpreters -----------------------------------------------------------------------
