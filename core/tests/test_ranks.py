@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sakura.testing import RanksFailed, launch_ranks
+from sakura.testing import RanksFailedError, launch_ranks
 
 WORKER = """
 import json, os, sys, time
@@ -54,7 +54,7 @@ def test_ranks_get_torchrun_environment_and_arguments(worker: Path, tmp_path: Pa
 
 def test_a_failing_rank_stops_the_others_at_once(worker: Path, tmp_path: Path) -> None:
     start = time.monotonic()
-    with pytest.raises(RanksFailed) as info:
+    with pytest.raises(RanksFailedError) as info:
         launch_ranks(worker, 2, tmp_path / "out", "fail", timeout=50)
     assert time.monotonic() - start < 40  # not the 60 s rank 0 would sleep, nor the timeout
     message = str(info.value)
@@ -65,7 +65,7 @@ def test_a_failing_rank_stops_the_others_at_once(worker: Path, tmp_path: Path) -
 
 
 def test_a_hanging_rank_times_out(worker: Path, tmp_path: Path) -> None:
-    with pytest.raises(RanksFailed, match=r"rank\(s\) \[0, 1\] did not finish within 1 s"):
+    with pytest.raises(RanksFailedError, match=r"rank\(s\) \[0, 1\] did not finish within 1 s"):
         launch_ranks(worker, 2, tmp_path / "out", "hang", timeout=1)
 
 
@@ -81,3 +81,12 @@ def test_bad_arguments(worker: Path, tmp_path: Path, kwargs: dict, message: str)
     world_size = kwargs.pop("world_size")
     with pytest.raises(ValueError, match=message):
         launch_ranks(worker, world_size, tmp_path, **kwargs)
+
+
+def test_the_old_name_still_works_with_a_warning() -> None:
+    import sakura.testing
+    import sakura.testing.ranks
+
+    for module in (sakura.testing, sakura.testing.ranks):
+        with pytest.warns(DeprecationWarning, match=r"RanksFailed is deprecated.*RanksFailedError"):
+            assert module.RanksFailed is RanksFailedError

@@ -24,7 +24,7 @@ from transformers import (
     TrainingArguments,
 )
 
-from sakura_adapters.hf import HFAdapter, SakuraTrainer, SakuraTrainerRequired
+from sakura_adapters.hf import HFAdapter, SakuraTrainer, SakuraTrainerRequiredError
 
 STEPS, BATCH, EPOCHS = 3, 8, 2
 SCALER = {"init_scale": 2.0**30, "growth_interval": 2}
@@ -176,7 +176,7 @@ def test_fp16_scaler_state_resumes_from_a_trainer_checkpoint(tmp_path: Path) -> 
 
 def test_fp16_needs_the_trainer_subclass(tmp_path: Path) -> None:
     rt = SakuraRuntime([MixedPrecision("fp16")])
-    with pytest.raises(SakuraTrainerRequired, match=r"'mixed_precision'.*wrap_loss"):
+    with pytest.raises(SakuraTrainerRequiredError, match=r"'mixed_precision'.*wrap_loss"):
         Trainer(
             model=StackForTrainer(),
             args=args(tmp_path),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from sakura.deprecation import deprecated_aliases
 from sakura.testing.conformance import (
     ServiceConformance,
     check_exceptions_isolated,
@@ -17,11 +18,11 @@ from sakura.testing.conformance import (
     check_no_work_on_unhandled_events,
     check_state_round_trip,
 )
-from sakura.testing.ranks import RanksFailed, launch_ranks
+from sakura.testing.ranks import RanksFailedError, launch_ranks
 from sakura.testing.recording import RecordingService
 
 __all__ = [
-    "RanksFailed",
+    "RanksFailedError",
     "RecordingService",
     "ServiceConformance",
     "TinyLoopResult",
@@ -35,9 +36,14 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:  # the loop module is importable without torch installed
+def _lazy(name: str) -> Any:  # the loop module is importable without torch installed
     if name in ("run_tiny_loop", "TinyLoopResult", "expected_event_names"):
         from sakura.testing import loop
 
         return getattr(loop, name)
     raise AttributeError(f"module 'sakura.testing' has no attribute {name!r}")
+
+
+__getattr__ = deprecated_aliases(
+    __name__, {"RanksFailed": RanksFailedError}, removed_in="0.3", fallback=_lazy
+)

@@ -24,10 +24,12 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-__all__ = ["RanksFailed", "launch_ranks"]
+from sakura.deprecation import deprecated_aliases
+
+__all__ = ["RanksFailedError", "launch_ranks"]
 
 
-class RanksFailed(AssertionError):
+class RanksFailedError(AssertionError):
     """A rank exited with an error or did not finish in time (an AssertionError, so that
     pytest shows it as a test failure with the ranks' output)."""
 
@@ -44,7 +46,7 @@ def launch_ranks(
     """Run ``world_size`` ranks of ``script`` and wait for all of them.
 
     Returns each rank's output (stdout and stderr together, also kept in
-    ``OUT_DIR/rank<N>.log``).  Raises :class:`RanksFailed` as soon as a rank exits with a
+    ``OUT_DIR/rank<N>.log``).  Raises :class:`RanksFailedError` as soon as a rank exits with a
     non-zero status (the other ranks are killed), or when ``timeout`` seconds pass.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -93,7 +95,7 @@ def launch_ranks(
             f"--- rank {rank} ({_status(proc)}) ---\n{output}"
             for rank, (proc, output) in enumerate(zip(procs, outputs, strict=True))
         )
-        raise RanksFailed(f"{failure}\n{report}")
+        raise RanksFailedError(f"{failure}\n{report}")
     return outputs
 
 
@@ -118,3 +120,7 @@ def _wait(procs: list[subprocess.Popen[bytes]], timeout: float) -> str | None:
 def _status(proc: subprocess.Popen[bytes]) -> str:
     code = proc.returncode
     return f"signal {-code}" if code is not None and code < 0 else f"exit {code}"
+
+
+# Renamed in 0.2 (exceptions end in Error); the old name warns until 0.3.
+__getattr__ = deprecated_aliases(__name__, {"RanksFailed": RanksFailedError}, removed_in="0.3")

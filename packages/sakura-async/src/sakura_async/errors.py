@@ -7,9 +7,7 @@ classes) and warn with a DeprecationWarning: use ``DispatcherClosedError`` and
 
 from __future__ import annotations
 
-import warnings
-from typing import Any
-
+from sakura.deprecation import deprecated_aliases
 from sakura.errors import SakuraError
 
 __all__ = [
@@ -92,16 +90,9 @@ class CheckpointWriteError(CheckpointError):
     so that a lost checkpoint never goes unnoticed."""
 
 
-_DEPRECATED = {"DispatcherClosed": DispatcherClosedError, "WorkerCrashed": WorkerCrashedError}
-
-
-def __getattr__(name: str) -> Any:
-    new = _DEPRECATED.get(name)
-    if new is None:
-        raise AttributeError(f"module 'sakura_async.errors' has no attribute {name!r}")
-    warnings.warn(
-        f"sakura_async.errors.{name} is deprecated; use {new.__name__} (the same class)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return new
+# Renamed (exceptions end in Error); the old names warn until 0.3.
+__getattr__ = deprecated_aliases(
+    __name__,
+    {"DispatcherClosed": DispatcherClosedError, "WorkerCrashed": WorkerCrashedError},
+    removed_in="0.3",
+)

@@ -56,9 +56,7 @@ cannot honour).
 
 from __future__ import annotations
 
-import warnings
-from typing import Any
-
+from sakura.deprecation import deprecated_aliases
 from sakura_adapters.hf.callback import HFAdapter
 from sakura_adapters.hf.checks import SakuraTrainerRequiredError
 
@@ -75,18 +73,7 @@ __all__ = [
     "state_file_name",
 ]
 
-_DEPRECATED = {"SakuraTrainerRequired": "SakuraTrainerRequiredError"}
-
-
-def __getattr__(name: str) -> Any:
-    """Old names, kept working for one minor version with a DeprecationWarning."""
-    new = _DEPRECATED.get(name)
-    if new is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(
-        f"sakura_adapters.hf.{name} is deprecated and will be removed in sakura-adapters 0.2; "
-        f"use {new} (exceptions are named ...Error)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return globals()[new]
+# Renamed (exceptions end in Error); the old name warns until 0.2.
+__getattr__ = deprecated_aliases(
+    __name__, {"SakuraTrainerRequired": SakuraTrainerRequiredError}, removed_in="0.2"
+)
