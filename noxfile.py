@@ -462,6 +462,8 @@ def demo(session: nox.Session) -> None:
         "async_eval:process",
         "--threads",
         "1",
+        "--scale",
+        "full",
         "--trials",
         "5",
         "--output",

@@ -25,7 +25,8 @@ run() {  # run NAME ARGS...: one sakura-bench run into its own folder
     local name="$1"
     shift
     mkdir -p "$out/$name"
-    sakura-bench run --threads "$threads" --output "$out/$name" --quiet "$@"
+    # the reference's sizes (--scale full) unless the command says otherwise (the last wins)
+    sakura-bench run --threads "$threads" --scale full --output "$out/$name" --quiet "$@"
 }
 
 compare() {  # compare A B: print the table of B against A

@@ -230,13 +230,50 @@ def test_full_scale_needs_a_gpu(tmp_path: Path, capsys: pytest.CaptureFixture[st
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the full scale is allowed")
     argv = ["run", "--workload", "llama3-1b-finetune", "--runner", "baseline", "--framework",
-            "hf-trainer", "--output", str(tmp_path)]  # fmt: skip
+            "hf-trainer", "--scale", "full", "--output", str(tmp_path)]  # fmt: skip
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert (
         "workload 'llama3-1b-finetune' at --scale full needs a CUDA GPU (1.24 B parameters" in err
     )
     assert "on CPU use --scale tiny or small" in err
+
+
+def test_the_default_scale_suits_the_device() -> None:
+    """--scale auto (the default): the full size on a CUDA GPU; on a CPU the small one, so
+    that a README command finishes in about a minute, or the largest the CPU can run."""
+    import torch
+
+    from sakura_bench.registry import get_registry
+
+    registry = get_registry()
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    for name in ("mnist-mlp", "mnist-mlp-multi", "cifar10-resnet50", "llama3-1b-finetune"):
+        workload = registry.get("workload", name).load()
+        assert workload.default_scale(cuda) == "full", name
+        assert workload.default_scale(cpu) == "small", name
+        assert "small" not in workload.gpu_scales
+
+
+def test_services_write_under_the_output_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """async_checkpoint without a dir writes under <output>/<report name>/trial-<i>/, never
+    into the current directory (the reference's mnist-mlp-multi command)."""
+    from sakura_async import load_latest
+
+    monkeypatch.chdir(tmp_path)
+    argv = ["run", "--workload", "mnist-mlp-multi", "--runner", "sakura", "--framework",
+            "pytorch-ddp", "--scale", "tiny", "--epochs", "2", "--trials", "2", "--threads", "1",
+            "--service", "async_checkpoint:thread", "--output", "out"]  # fmt: skip
+    assert main(argv) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    report = load_report(tmp_path / "out" / "mnist-mlp-multi-sakura-pytorch-ddp.json")
+    assert [t["errors"] for t in report["trials"]] == [[], []]
+    for i in (0, 1):
+        trial_dir = tmp_path / "out" / "mnist-mlp-multi-sakura-pytorch-ddp" / f"trial-{i}"
+        latest = load_latest(trial_dir / "async_checkpoint")
+        assert latest is not None and latest.epoch == 1 and "model" in latest.state
 
 
 def test_compare_and_export_reject_non_reports(

@@ -2,7 +2,7 @@
 
     sakura-bench run --workload W --runner baseline|sakura --framework F [--service SPEC ...]
                      --output DIR [--trials N] [--epochs N] [--seed S] [--threads T]
-                     [--scale tiny|small|full] [--data DIR] [--device auto|cpu|cuda]
+                     [--scale auto|tiny|small|full] [--data DIR] [--device auto|cpu|cuda]
                      [--warmup-steps N] [--nproc N] [--in-process] [--quiet]
     sakura-bench pair --workload W --framework F [--service SPEC ...] --output DIR [...]
                       (the baseline and sakura runs, trials interleaved, then compared)
@@ -47,7 +47,7 @@ def _add_trial_options(parser: argparse.ArgumentParser, service_help: str) -> No
         "--output", default="reports", help="folder of the report (default: reports)"
     )
     parser.add_argument(
-        "--trials", type=int, default=5, help="trials, each in a fresh process (default 5)"
+        "--trials", type=int, default=3, help="trials, each in a fresh process (default 3)"
     )
     parser.add_argument("--epochs", type=int, default=None, help="epochs (default: the workload's)")
     parser.add_argument(
@@ -56,7 +56,12 @@ def _add_trial_options(parser: argparse.ArgumentParser, service_help: str) -> No
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (and OMP/MKL) per process"
     )
-    parser.add_argument("--scale", default="full", help="tiny, small or full (default full)")
+    parser.add_argument(
+        "--scale",
+        default="auto",
+        help="tiny, small, full or auto (default auto: full on a CUDA GPU, small on CPU, "
+        "about a minute a command on a laptop CPU; --scale full for the long form)",
+    )
     parser.add_argument(
         "--data", default=None, metavar="DIR", help="read the real dataset files from DIR"
     )

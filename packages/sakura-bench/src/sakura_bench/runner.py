@@ -37,7 +37,7 @@ Progress = Callable[[dict[str, Any]], None]
 class RunOptions:
     config: TrialConfig
     output: Path
-    trials: int = 5
+    trials: int = 3
     nproc: int = 1
     in_process: bool = False
 
@@ -85,10 +85,12 @@ def validate(options: RunOptions) -> ValidatedRun:
     workload_cls = workload_entry.load()
     framework = framework_entry.load()()
     check_compatible(c.workload, workload_cls, c.framework, framework)
+    if c.scale == "auto":
+        c = options.config = replace(c, scale=workload_cls.default_scale(resolve_device(c.device)))
     if c.scale not in workload_cls.configs:
         raise BenchError(
             f"--scale {c.scale!r} is not a scale of workload {c.workload!r}; accepted: "
-            f"{', '.join(workload_cls.configs)}"
+            f"auto, {', '.join(workload_cls.configs)}"
         )
     if options.nproc > 1 and c.framework != "pytorch-ddp":
         raise BenchError(
@@ -220,10 +222,13 @@ def spawn_trial(config: TrialConfig, nproc: int, progress: Progress | None) -> d
 
 def _run_one(run: ValidatedRun, i: int, on_progress: Progress | None) -> dict[str, Any]:
     """Trial ``i`` of ``run``: in this process or, normally, in a fresh one."""
+    from sakura_bench.report import report_filename
     from sakura_bench.trial import run_trial
 
     options = run.options
-    config = replace(options.config, trial=i)
+    c = options.config
+    artifacts = options.output / Path(report_filename(c.workload, c.runner, c.framework)).stem
+    config = replace(c, trial=i, output_dir=str(artifacts.resolve() / f"trial-{i}"))
     if options.in_process:
         started = time.perf_counter()
         result = run_trial(config, progress=on_progress)

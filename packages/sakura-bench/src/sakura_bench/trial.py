@@ -35,12 +35,15 @@ class TrialConfig:
     services: list[str] = field(default_factory=list)
     epochs: int | None = None
     seed: int = 0
-    scale: str = "full"
+    scale: str = "auto"
     data_dir: str | None = None
     threads: int | None = None
     device: str = "auto"
     warmup_steps: int = 5
     trial: int = 0
+    # Where this trial's services write files (checkpoints ...): set per trial by the runner
+    # to ``<output>/<report name>/trial-<i>``, never the current directory.
+    output_dir: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -247,6 +250,8 @@ def _run_sakura(
         [*config.services, *extra_services], workload=ctx.workload, payload=payload
     )
     ctx.eval_services = built.evaluating
+    if config.output_dir is not None:
+        give_output_dir(built.services, Path(config.output_dir))
     rt = SakuraRuntime(rank=rank, world_size=world_size)
     for service in built.services:
         rt.install(service)
@@ -267,6 +272,17 @@ def _run_sakura(
                 f"{service.name}: evaluation of epoch {getattr(failure, 'epoch', '?')} failed: {getattr(failure, 'error', failure)!r}"
             )
     return errors
+
+
+def give_output_dir(services: Sequence[Any], directory: Path) -> None:
+    """Hand the run's output directory to every service that takes one: a service with a
+    ``use_output_dir(path)`` method (as ``AsyncCheckpoint`` has) writes its files there
+    unless the user gave it a directory of its own."""
+    for service in services:
+        use = getattr(service, "use_output_dir", None)
+        if callable(use):
+            directory.mkdir(parents=True, exist_ok=True)
+            use(directory)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

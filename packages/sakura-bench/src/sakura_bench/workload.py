@@ -114,6 +114,19 @@ class Workload:
     def eval_batch_size(self) -> int:
         return int(self.config.get("eval_batch_size", self.batch_size))
 
+    @classmethod
+    def default_scale(cls, device: torch.device) -> str:
+        """The scale ``--scale auto`` (the default) picks: the largest on a CUDA device;
+        elsewhere ``small`` (a README command then finishes in about a minute on a laptop
+        CPU), or the largest scale that does not need a GPU when there is no ``small``."""
+        names = list(cls.configs)
+        if device.type == "cuda":
+            return "full" if "full" in names else names[-1]
+        cpu = [s for s in names if s not in cls.gpu_scales]
+        if "small" in cpu:
+            return "small"
+        return cpu[-1] if cpu else names[0]
+
     def check_device(self, device: torch.device) -> None:
         """ScaleError when this scale needs a CUDA GPU and ``device`` is not one."""
         reason = self.gpu_scales.get(self.scale)
