@@ -204,7 +204,7 @@ RUN = ["run", "--scale", "tiny", "--in-process", "--output"]
         (["--workload", "mnist-mlp", "--runner", "baseline", "--framework", "pytorch-ddp",
           "--trials", "0"], r"--trials must be an integer >= 1, got 0"),
         (["--workload", "mnist-mlp", "--runner", "baseline", "--framework", "pytorch-ddp",
-          "--scale", "huge"], r"--scale 'huge' is not a scale of workload 'mnist-mlp'; accepted: tiny, small, full"),
+          "--scale", "huge"], r"--scale 'huge' is not a scale of workload 'mnist-mlp'; accepted: auto, tiny, small, full"),
         (["--workload", "mnist-mlp", "--runner", "baseline", "--framework", "pytorch-ddp",
           "--device", "tpu"], r"--device 'tpu' is not accepted; use one of auto, cpu, cuda"),
         (["--workload", "mnist-mlp", "--runner", "baseline", "--framework", "lightning",

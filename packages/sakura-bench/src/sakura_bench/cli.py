@@ -430,7 +430,7 @@ def listing() -> dict[str, Any]:
         {"name": p.name, "provided_by": p.distribution or p.plugin, "description": p.description}
         for p in sorted(manager.registry("dispatcher").values(), key=lambda p: p.name)
     ]
-    failures = [str(f) for f in manager.failures] + registry.failures
+    failures = [str(f) for f in manager.failures]
     return {
         "workloads": workloads,
         "frameworks": frameworks,

@@ -39,6 +39,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from sakura.fileio import atomic_writer
 from sakura_bench.errors import BenchError
 from sakura_bench.measure import stats
 
@@ -207,12 +208,11 @@ def validate_report(report: Any) -> list[str]:
 
 
 def write_report(report: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
-    """Write ``report`` atomically (temporary file, then rename)."""
+    """Write ``report`` atomically and durably (:func:`sakura.fileio.atomic_writer`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=2, sort_keys=False) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    with atomic_writer(path, "w") as f:
+        f.write(json.dumps(report, indent=2, sort_keys=False) + "\n")
     return path
 
 

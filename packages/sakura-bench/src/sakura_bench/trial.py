@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sakura.fileio import atomic_writer
+
 __all__ = ["PROGRESS_PREFIX", "TrialConfig", "check_compatible", "resolve_device", "run_trial"]
 
 PROGRESS_PREFIX = "@@sakura-bench "
@@ -298,10 +300,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     result = run_trial(config, progress=progress)
     if result["rank"] == 0:
-        path = Path(args.result)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result))
-        tmp.replace(path)
+        with atomic_writer(args.result, "w") as f:
+            f.write(json.dumps(result))
     return 0
 
 

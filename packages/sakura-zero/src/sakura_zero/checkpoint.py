@@ -9,15 +9,15 @@ any complete set of them, written on any world size, loads on any other.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from sakura.fileio import atomic_writer
 
 __all__ = ["SHARD_FORMAT", "atomic_save", "find_shards", "shard_path", "to_cpu"]
 
@@ -41,20 +41,12 @@ def shard_path(directory: str | os.PathLike[str], name: str, rank: int, world_si
 
 
 def atomic_save(obj: Any, path: Path) -> None:
-    """Write ``obj`` with ``torch.save`` to a temporary file, then rename it over
-    ``path``: a crash never leaves a truncated file where the previous one was."""
+    """Write ``obj`` with ``torch.save`` atomically and durably
+    (:func:`sakura.fileio.atomic_writer`): a crash never leaves a truncated file where the
+    previous one was."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    with atomic_writer(path) as f:  # fsyncs the file and the directory
+        torch.save(obj, f)
 
 
 def find_shards(directory: str | os.PathLike[str], name: str) -> list[Path]:
