@@ -19,7 +19,7 @@ def sakura_register_adapters(register: Register) -> None:
         description="transformers.TrainerCallback mapping every callback event",
     )
     register(
-        "hf-trainer",
+        "hf_trainer",
         "sakura_adapters.hf:SakuraTrainer",
         description="transformers.Trainer subclass for services that own the step",
     )
