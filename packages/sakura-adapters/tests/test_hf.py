@@ -959,7 +959,9 @@ def test_strict_resume_rejects_a_changed_service_list(
 def test_the_old_exception_name_still_works_with_a_deprecation_warning():
     import sakura_adapters.hf as hf
 
-    with pytest.warns(DeprecationWarning, match=r"SakuraTrainerRequired is deprecated.*SakuraTrainerRequiredError"):
+    with pytest.warns(
+        DeprecationWarning, match=r"SakuraTrainerRequired is deprecated.*SakuraTrainerRequiredError"
+    ):
         old = hf.SakuraTrainerRequired
     assert old is SakuraTrainerRequiredError
     with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
