@@ -219,7 +219,7 @@ class ActivationPaging:
         data = flat.cpu().numpy()
         try:
             with self._open_for_write(path) as out:
-                out.write(memoryview(data))
+                out.write(data.data)  # the array's buffer, no copy
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.unlink(path)

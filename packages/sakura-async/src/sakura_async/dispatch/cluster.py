@@ -179,7 +179,7 @@ class ClusterDispatcher(Dispatcher):
             elif self.security is None:
                 from distributed.security import Security
 
-                self.security = Security.temporary()
+                self.security = Security.temporary()  # type: ignore[no-untyped-call]
             if self.security is not None:
                 options["security"] = self.security
             # Over the loopback network also with processes=False (Dask's in-process
