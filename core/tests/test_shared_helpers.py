@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+from pathlib import Path
 
 import pytest
 
@@ -163,3 +164,20 @@ def test_env_list_and_int() -> None:
     assert env_int("N", environ={"N": " 7 "}) == 7
     with pytest.raises(ConfigError, match=r"N='x' is not accepted; accepted: an integer >= 1"):
         env_int("N", minimum=1, environ={"N": "x"})
+
+
+def test_cache_dir_order(tmp_path: Path) -> None:
+    from sakura.env import cache_dir
+
+    env = {"XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    assert (
+        cache_dir("sakura-x", override="SAKURA_X_CACHE", environ=env)
+        == tmp_path / "xdg" / "sakura-x"
+    )
+    env["SAKURA_X_CACHE"] = str(tmp_path / "mine")
+    assert cache_dir("sakura-x", override="SAKURA_X_CACHE", environ=env) == tmp_path / "mine"
+    env["SAKURA_X_CACHE"] = ""  # empty is unset
+    assert (
+        cache_dir("a", "b", override="SAKURA_X_CACHE", environ=env) == tmp_path / "xdg" / "a" / "b"
+    )
+    assert cache_dir("a", environ={}) == Path.home() / ".cache" / "a"

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 
 from sakura.errors import ConfigError
 
-__all__ = ["FALSE_WORDS", "TRUE_WORDS", "env_flag", "env_int", "env_list"]
+__all__ = ["FALSE_WORDS", "TRUE_WORDS", "cache_dir", "env_flag", "env_int", "env_list"]
 
 TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 FALSE_WORDS = frozenset({"0", "false", "no", "off", ""})
@@ -66,3 +67,17 @@ def env_int(
         accepted = "an integer" + (f" >= {minimum}" if minimum is not None else "")
         raise ConfigError(f"{name}={env[name]!r} is not accepted; accepted: {accepted}")
     return value
+
+
+def cache_dir(
+    *parts: str, override: str | None = None, environ: Mapping[str, str] | None = None
+) -> Path:
+    """A persistent per-user cache folder: ``$override`` when that variable is set and not
+    empty, else ``$XDG_CACHE_HOME/<parts...>``, else ``~/.cache/<parts...>``.  Not created.
+
+    ``cache_dir("sakura-offload", override="SAKURA_OFFLOAD_CACHE")``."""
+    env = os.environ if environ is None else environ
+    if override is not None and env.get(override):
+        return Path(env[override])
+    base = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).joinpath(*parts)

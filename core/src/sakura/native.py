@@ -45,7 +45,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from sakura.env import env_flag
+from sakura.env import cache_dir, env_flag
 
 __all__ = ["DEFAULT_CFLAGS", "DEFAULT_LDFLAGS", "NativeLibrary", "cpu_tag"]
 
@@ -131,13 +131,10 @@ class NativeLibrary:
         """Where the library is built and cached for this CPU, torch and Python."""
         import torch
 
-        root = os.environ.get(self.cache_env)
-        if not root:
-            xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-            root = str(Path(xdg) / self.package)
+        root = cache_dir(self.package, override=self.cache_env)
         flags = hashlib.sha256(" ".join(self.cflags + self.ldflags).encode()).hexdigest()[:8]
         tag = f"torch{torch.__version__.split('+')[0]}-py{platform.python_version()}"
-        return Path(root) / f"{tag}-cpu{cpu_tag()}-f{flags}"
+        return root / f"{tag}-cpu{cpu_tag()}-f{flags}"
 
     def load(self, *, required: bool = False) -> ctypes.CDLL | None:
         """The library, built on first use; None when it cannot be built (warned once) or

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from sakura import Service
+from sakura.env import cache_dir as user_cache_dir
 from sakura.events import OnTrainStepBegin
 from sakura.options import check_bool, check_choice, option_error
 from sakura_precision.blocks import find_blocks, validate_selector
@@ -43,11 +44,7 @@ def default_cache_dir() -> Path:
     """``$TORCHINDUCTOR_CACHE_DIR`` when set, else ``$XDG_CACHE_HOME/sakura/torch-compile``
     (``~/.cache/sakura/torch-compile``): persistent across reboots, unlike torch's default
     under ``/tmp``."""
-    explicit = os.environ.get(_ENV)
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "sakura" / "torch-compile"
+    return user_cache_dir("sakura", "torch-compile", override=_ENV)
 
 
 def _run_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
