@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from sakura_quant.formats import QuantizedWeight
     from sakura_quant.linear import QuantizedLinear
     from sakura_quant.loading import load_model
+    from sakura_quant.loftq import init_lora_from_error
     from sakura_quant.quantize import quantize_model
     from sakura_quant.service import QuantizedBase
     from sakura_quant.weights import dequantize_weight, quantize_weight
@@ -24,6 +25,7 @@ _EXPORTS = {
     "QuantizedBase": "sakura_quant.service",
     "QuantizedLinear": "sakura_quant.linear",
     "QuantizedWeight": "sakura_quant.formats",
+    "init_lora_from_error": "sakura_quant.loftq",
     "load_model": "sakura_quant.loading",
     "quantize_model": "sakura_quant.quantize",
     "dequantize_weight": "sakura_quant.weights",
@@ -35,6 +37,7 @@ __all__ = [
     "QuantizedLinear",
     "QuantizedWeight",
     "dequantize_weight",
+    "init_lora_from_error",
     "load_model",
     "quantize_model",
     "quantize_weight",

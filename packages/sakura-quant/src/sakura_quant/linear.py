@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from sakura_quant.formats import QuantizedWeight
+from sakura_quant.loftq import quantize_with_error_fit
 from sakura_quant.weights import dequantize_weight, quantize_weight
 
 __all__ = ["QuantizedLinear"]
@@ -58,9 +59,21 @@ class QuantizedLinear(nn.Linear):
     the format, ``weight_scales_scale``, ``weight_scales_offset``, ``weight_global_scale``.
     Loading a full-precision ``weight`` (2-D, ``(out_features, in_features)``) quantizes it
     again; keys a state dict does not give are left as they are.
+
+    ``error_factors``: LoftQ's ``(A, B)`` (``(r, in)``, ``(out, r)``), the low-rank fit of
+    what quantizing lost, kept as the buffers ``error_a`` / ``error_b`` for
+    :func:`sakura_quant.init_lora_from_error`; ``error_iters`` is how many rounds made them
+    (used again when a full-precision weight is loaded).
     """
 
-    def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        qweight: QuantizedWeight,
+        bias: torch.Tensor | None = None,
+        *,
+        error_factors: tuple[torch.Tensor, torch.Tensor] | None = None,
+        error_iters: int = 1,
+    ) -> None:
         nn.Module.__init__(self)
         if len(qweight.shape) != 2:
             raise ValueError(f"QuantizedLinear needs a 2-D weight, got shape {qweight.shape}")
@@ -71,6 +84,16 @@ class QuantizedLinear(nn.Linear):
         self._tensor_names = tuple(qweight.tensors)
         for name, tensor in qweight.tensors.items():
             self.register_buffer(_buffer_name(name), tensor)
+        self.error_iters = error_iters
+        if error_factors is not None:
+            factor_a, factor_b = error_factors
+            if factor_a.shape[1] != self.in_features or factor_b.shape[0] != self.out_features:
+                raise ValueError(
+                    f"error_factors of shapes {tuple(factor_a.shape)}, {tuple(factor_b.shape)} "
+                    f"do not fit a ({self.out_features}, {self.in_features}) weight"
+                )
+            self.register_buffer("error_a", factor_a)
+            self.register_buffer("error_b", factor_b)
         if bias is not None:
             self.bias = nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
         else:
@@ -90,6 +113,14 @@ class QuantizedLinear(nn.Linear):
             linear.weight.detach(), format, block_size=block_size, double_quant=double_quant
         )
         return cls(qweight, linear.bias)
+
+    @property
+    def error_factors(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """LoftQ's ``(A, B)`` when the weight was quantized with ``error_rank``, else None."""
+        a, b = getattr(self, "error_a", None), getattr(self, "error_b", None)
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            return a, b
+        return None
 
     def quantized_weight(self) -> QuantizedWeight:
         """The stored weight (its tensors are this layer's buffers, not copies)."""
@@ -136,15 +167,27 @@ class QuantizedLinear(nn.Linear):
         incoming = state_dict.get(key)
         shape = (self.out_features, self.in_features)
         if isinstance(incoming, torch.Tensor) and tuple(incoming.shape) == shape:
-            # A full-precision weight: quantize it the way this layer stores its own, then
-            # load the stored tensors it gives (the scales too, which the dict cannot hold).
-            fresh = quantize_weight(
-                incoming.to(self.compute_dtype),
-                self.format,
-                block_size=self.block_size,
-                double_quant="scales_offset" in self._tensor_names,
-            )
+            # A full-precision weight: quantize it the way this layer stores its own (with a
+            # fresh LoftQ fit when it has one), then load the stored tensors it gives.
+            dq = "scales_offset" in self._tensor_names
+            weight = incoming.to(self.compute_dtype)
+            factors = self.error_factors
             state_dict = {k: v for k, v in state_dict.items() if k != key}
+            if factors is not None:
+                fresh, state_dict[prefix + "error_a"], state_dict[prefix + "error_b"] = (
+                    quantize_with_error_fit(
+                        weight,
+                        self.format,
+                        block_size=self.block_size,
+                        double_quant=dq,
+                        rank=factors[0].shape[0],
+                        iters=self.error_iters,
+                    )
+                )
+            else:
+                fresh = quantize_weight(
+                    weight, self.format, block_size=self.block_size, double_quant=dq
+                )
             for name, tensor in fresh.tensors.items():
                 state_dict[prefix + _buffer_name(name)] = tensor
         super()._load_from_state_dict(

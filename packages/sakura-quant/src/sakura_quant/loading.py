@@ -18,6 +18,7 @@ from torch import nn
 
 from sakura.options import check_bool, check_choice, option_error
 from sakura_quant.linear import QuantizedLinear
+from sakura_quant.loftq import check_error_options, quantize_with_error_fit
 from sakura_quant.options import (
     FORMAT_NAMES,
     check_block_size,
@@ -122,6 +123,8 @@ def load_model(
     targets: Any = None,
     skip: Any = DEFAULT_SKIP,
     trust_remote_code: bool = False,
+    error_rank: Any = 0,
+    error_iters: Any = 1,
 ) -> nn.Module:
     """Build a frozen model from a safetensors checkpoint, quantizing while it reads.
 
@@ -136,6 +139,9 @@ def load_model(
             the dtype of the tensors kept and the compute dtype of the quantized layers.
         block_size, double_quant, targets, skip: as for :func:`~sakura_quant.quantize_model`.
         trust_remote_code: passed to transformers when ``model`` is None.
+        error_rank, error_iters: LoftQ, as for :func:`~sakura_quant.quantize_model`: the
+            factors are kept in each quantized layer; start PEFT LoRA adapters at them with
+            :func:`~sakura_quant.init_lora_from_error` once they are on the model.
 
     Every parameter comes back frozen (``requires_grad=False``): put LoRA on it with PEFT.
     A key the model has and the checkpoint lacks is an error, unless the model ties it to
@@ -156,6 +162,7 @@ def load_model(
     skipped = check_names("skip", skip, owner=_OWNER, allow_none=False) or ()
     check_choice("dtype", dtype, _DTYPES, owner=_OWNER)
     check_bool("trust_remote_code", trust_remote_code, owner=_OWNER)
+    rank, iters = check_error_options(error_rank, error_iters, owner=_OWNER)
     if model is not None and not isinstance(model, nn.Module):
         raise option_error("model", model, "None or a torch.nn.Module", owner=_OWNER)
     root = Path(path)
@@ -173,12 +180,19 @@ def load_model(
                 weight = reader.read(weight_key)
                 if dtype is not None:
                     weight = weight.to(dtype)
-                qweight = quantize_weight(weight, fmt, block_size=size, double_quant=dq)
+                factors = None
+                if rank:
+                    qweight, error_a, error_b = quantize_with_error_fit(
+                        weight, fmt, block_size=size, double_quant=dq, rank=rank, iters=iters
+                    )
+                    factors = (error_a, error_b)
+                else:
+                    qweight = quantize_weight(weight, fmt, block_size=size, double_quant=dq)
                 del weight
                 bias = None
                 if linear.bias is not None:
                     bias = _cast(reader.read(f"{name}.bias"), dtype)
-                layer = QuantizedLinear(qweight, bias)
+                layer = QuantizedLinear(qweight, bias, error_factors=factors, error_iters=iters)
                 layer.requires_grad_(False)
                 parent_name, _, attr = name.rpartition(".")
                 setattr(model.get_submodule(parent_name) if parent_name else model, attr, layer)

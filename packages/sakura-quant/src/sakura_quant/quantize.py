@@ -10,6 +10,7 @@ from torch import nn
 from sakura.options import check_bool, option_error
 from sakura_quant.formats import QuantizedWeight
 from sakura_quant.linear import QuantizedLinear
+from sakura_quant.loftq import check_error_options, init_lora_from_error, quantize_with_error_fit
 from sakura_quant.options import (
     PRECISE_FORMAT,
     check_block_size,
@@ -115,12 +116,14 @@ def quantize_model(
     skip: Any = DEFAULT_SKIP,
     freeze: bool = False,
     keep_precise: Any = 0,
+    error_rank: Any = 0,
+    error_iters: Any = 1,
 ) -> dict[str, int]:
     """Quantize the weights of ``model``'s ``nn.Linear`` layers in place, one at a time.
 
     Each target becomes a :class:`~sakura_quant.QuantizedLinear` (its bias kept). Returns
-    ``{"tensors": count, "kept_precise": count, "bytes_before": ..., "bytes_after": ...}``
-    (weight bytes only).
+    ``{"tensors": count, "kept_precise": count, "bytes_before": ..., "bytes_after": ...,
+    "lora_initialized": count}`` (weight bytes only, LoftQ factors not counted).
 
     Args:
         format: ``"nf4"``, ``"int8"``, ``"fp8"`` or ``"nvfp4"``.
@@ -139,6 +142,13 @@ def quantize_model(
             the quantized weights' bytes. ``0`` / ``False`` / ``None``: off; ``"auto"`` /
             ``True``: 0.05; a fraction up to 0.5. While it measures, the original weights
             and their quantized forms are in memory together.
+        error_rank: LoftQ (0: off): each weight is stored as ``Q(W - B A)`` with ``B A`` a
+            rank-``error_rank`` fit of what quantizing lost, the factors kept in the layer
+            (use the LoRA rank). PEFT LoRA adapters then start at them with
+            :func:`~sakura_quant.init_lora_from_error`; adapters already on the model when
+            it is quantized are started here (counted in ``"lora_initialized"``).
+        error_iters: LoftQ rounds (>= 1): alternate quantizing ``W - B A`` and fitting
+            ``B A`` to what that lost.
     """
     fmt = check_format(format, owner=_OWNER)
     size = check_block_size(fmt, block_size, owner=_OWNER)
@@ -147,6 +157,7 @@ def quantize_model(
     skipped = check_names("skip", skip, owner=_OWNER, allow_none=False) or ()
     check_bool("freeze", freeze, owner=_OWNER)
     precise_share = check_keep_precise(fmt, keep_precise, owner=_OWNER)
+    rank, iters = check_error_options(error_rank, error_iters, owner=_OWNER)
     if not isinstance(model, nn.Module):
         raise option_error("model", model, "a torch.nn.Module", owner=_OWNER)
 
@@ -167,16 +178,36 @@ def quantize_model(
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         weight = module.weight
-        qweight = chosen.get(name) or quantize_weight(
-            weight.detach(), fmt, block_size=size, double_quant=dq
-        )
-        quantized = QuantizedLinear(qweight, module.bias)
+        qweight = chosen.get(name)
+        factors = None
+        if rank:
+            # LoftQ in the format chosen for this weight (keep_precise may have picked the
+            # more precise one); the plain quantization made while choosing is replaced.
+            spec = (fmt, size, dq) if qweight is None else _spec(qweight)
+            qweight, error_a, error_b = quantize_with_error_fit(
+                weight.detach(),
+                spec[0],
+                block_size=spec[1],
+                double_quant=spec[2],
+                rank=rank,
+                iters=iters,
+            )
+            factors = (error_a, error_b)
+        elif qweight is None:
+            qweight = quantize_weight(weight.detach(), fmt, block_size=size, double_quant=dq)
+        quantized = QuantizedLinear(qweight, module.bias, error_factors=factors, error_iters=iters)
         setattr(parent, attr, quantized)
         stats["tensors"] += 1
         stats["kept_precise"] += name in chosen
         stats["bytes_before"] += weight.numel() * weight.element_size()
         stats["bytes_after"] += quantized.quantized_nbytes
+    stats["lora_initialized"] = init_lora_from_error(model) if rank else 0
     return stats
+
+
+def _spec(qweight: QuantizedWeight) -> tuple[str, int, bool]:
+    """(format, block size, double_quant) a weight was quantized with."""
+    return qweight.format, qweight.block_size, "scales_offset" in qweight.tensors
 
 
 def _relative_error(weight: torch.Tensor, qweight: QuantizedWeight) -> float:

@@ -9,6 +9,7 @@ from torch import nn
 
 from sakura.options import check_bool
 from sakura.service import Service
+from sakura_quant.loftq import check_error_options
 from sakura_quant.options import (
     check_block_size,
     check_double_quant,
@@ -31,7 +32,9 @@ class QuantizedBase(Service):
     service is built.  ``wrap_model`` changes the model in place (so it works under the stock
     Hugging Face Trainer with ``HFAdapter`` and under Lightning) and returns it; ``stats`` then
     holds what ``quantize_model`` returned.  Put LoRA on the model before or after: either
-    way only the base layers are quantized, never the adapters.
+    way only the base layers are quantized, never the adapters. With ``error_rank`` (LoftQ),
+    adapters already on the model start at the quantization error; adapters added later start
+    there with :func:`~sakura_quant.init_lora_from_error`.
 
     It runs before the other model wrappers (priority 5), so compilation and activation
     checkpointing see the quantized layers.
@@ -50,6 +53,8 @@ class QuantizedBase(Service):
         skip: Any = DEFAULT_SKIP,
         freeze: bool = False,
         keep_precise: Any = 0,
+        error_rank: Any = 0,
+        error_iters: Any = 1,
     ) -> None:
         self.format = check_format(format, owner=_OWNER)
         self.block_size = check_block_size(self.format, block_size, owner=_OWNER)
@@ -58,6 +63,9 @@ class QuantizedBase(Service):
         self.skip = check_names("skip", skip, owner=_OWNER, allow_none=False) or ()
         self.freeze = check_bool("freeze", freeze, owner=_OWNER)
         self.keep_precise = check_keep_precise(self.format, keep_precise, owner=_OWNER)
+        self.error_rank, self.error_iters = check_error_options(
+            error_rank, error_iters, owner=_OWNER
+        )
         self.stats: dict[str, int] = {}
         self._done: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
@@ -81,6 +89,8 @@ class QuantizedBase(Service):
             skip=self.skip,
             freeze=self.freeze,
             keep_precise=self.keep_precise,
+            error_rank=self.error_rank,
+            error_iters=self.error_iters,
         )
         self._done.add(model)
         return model

@@ -1,0 +1,118 @@
+"""LoftQ: quantize a weight together with a low-rank fit of what quantization loses.
+
+The base stores ``Q(W - B A)`` and the pair ``(A, B)`` is kept beside it, so that a LoRA
+adapter started at ``(A, B)`` (:func:`init_lora_from_error`) makes ``base + adapter`` close to
+the original ``W`` from the first step, instead of starting at the quantized ``W``.  The rounds
+follow the LoftQ paper and PEFT's ``loftq_init``: quantize the residual, take the rank-``r``
+SVD of ``W`` minus its expansion, and quantize ``W`` minus that fit in the next round.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from sakura.options import check_int, option_error
+from sakura_quant.formats import QuantizedWeight
+from sakura_quant.weights import dequantize_weight, quantize_weight
+
+__all__ = ["check_error_options", "init_lora_from_error", "quantize_with_error_fit"]
+
+
+def check_error_options(error_rank: Any, error_iters: Any, *, owner: str) -> tuple[int, int]:
+    """``error_rank``: an int >= 0 (0: off); ``error_iters``: an int >= 1, and 1 when
+    ``error_rank`` is 0 (there is nothing to iterate)."""
+    rank = int(check_int("error_rank", error_rank, minimum=0, owner=owner))
+    iters = int(check_int("error_iters", error_iters, minimum=1, owner=owner))
+    if rank == 0 and iters != 1:
+        raise option_error(
+            "error_iters", error_iters, "1 when error_rank=0 (LoftQ is off)", owner=owner
+        )
+    return rank, iters
+
+
+def _low_rank(residual: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(A, B)`` with ``B @ A`` the best rank-``rank`` fit of ``residual`` (the singular
+    values split evenly between the two factors by their square roots, as PEFT does)."""
+    u, s, vh = torch.linalg.svd(residual, full_matrices=False)
+    root = s[:rank].sqrt()
+    return root[:, None] * vh[:rank], u[:, :rank] * root[None, :]
+
+
+def quantize_with_error_fit(
+    weight: torch.Tensor,
+    format: str,
+    *,
+    block_size: int | None,
+    double_quant: bool,
+    rank: int,
+    iters: int,
+) -> tuple[QuantizedWeight, torch.Tensor, torch.Tensor]:
+    """``(Q(W - B A), A, B)`` after ``iters`` LoftQ rounds; ``A`` is ``(r, in)`` and ``B``
+    ``(out, r)`` in fp32, ``r = min(rank, out, in)``."""
+    if weight.dim() != 2:
+        raise ValueError(f"LoftQ needs a 2-D weight, got shape {tuple(weight.shape)}")
+    r = min(rank, *weight.shape)
+    w = weight.detach().float()
+    residual = w
+    for i in range(iters):
+        qweight = quantize_weight(
+            residual.to(weight.dtype), format, block_size=block_size, double_quant=double_quant
+        )
+        a, b = _low_rank(w - dequantize_weight(qweight, torch.float32), r)
+        if i + 1 < iters:
+            residual = w - b @ a
+    return qweight, a.contiguous(), b.contiguous()
+
+
+def _lora_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """PEFT LoRA layers (by what they hold, so PEFT is not imported here)."""
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(getattr(m, "base_layer", None), nn.Module)
+        and isinstance(getattr(m, "lora_A", None), nn.ModuleDict)
+        and isinstance(getattr(m, "lora_B", None), nn.ModuleDict)
+    ]
+
+
+@torch.no_grad()
+def init_lora_from_error(model: nn.Module, adapter_name: str | None = None) -> int:
+    """Start every PEFT LoRA adapter whose base is a quantized layer carrying LoftQ factors
+    at that layer's quantization error; returns how many adapters it set.
+
+    For an adapter of rank ``r`` and scaling ``s``: ``lora_A = A[:k]``, ``lora_B[:, :k] =
+    B[:, :k] / s`` and the other columns of ``lora_B`` zero (``k = min(r, error_rank)``), so
+    ``s * lora_B @ lora_A`` is the rank-``k`` fit.  ``adapter_name``: only that adapter
+    (default: every adapter of each layer).  DoRA adapters are refused.
+    """
+    from sakura_quant.linear import QuantizedLinear
+
+    count = 0
+    for name, layer in _lora_layers(model):
+        base = layer.base_layer
+        if not isinstance(base, QuantizedLinear) or base.error_factors is None:
+            continue
+        factor_a, factor_b = base.error_factors
+        lora_a: Any = layer.lora_A
+        lora_b: Any = layer.lora_B
+        scaling: dict[str, float] = getattr(layer, "scaling", {})
+        for adapter in list(lora_a.keys()):
+            if adapter_name is not None and adapter != adapter_name:
+                continue
+            if getattr(layer, "use_dora", {}).get(adapter, False):
+                raise ValueError(
+                    f"init_lora_from_error: {name} adapter {adapter!r} uses DoRA; LoftQ "
+                    "starts plain LoRA adapters only"
+                )
+            a = lora_a[adapter].weight
+            b = lora_b[adapter].weight
+            k = min(a.shape[0], factor_a.shape[0])
+            scale = float(scaling.get(adapter, 1.0))
+            a[:k].copy_(factor_a[:k].to(a.dtype))
+            b.zero_()
+            b[:, :k].copy_((factor_b[:, :k] / scale).to(b.dtype))
+            count += 1
+    return count
