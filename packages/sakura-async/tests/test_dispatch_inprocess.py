@@ -212,7 +212,9 @@ def test_the_private_names_of_0_1_still_work_and_warn() -> None:
     with pytest.warns(DeprecationWarning, match="use settle"):
         f._finish(result=1)
     assert f.result(0) == 1
-    with pytest.warns(DeprecationWarning, match="DispatcherClosed is deprecated.*DispatcherClosedError"):
+    with pytest.warns(
+        DeprecationWarning, match="DispatcherClosed is deprecated.*DispatcherClosedError"
+    ):
         from sakura_async.errors import DispatcherClosed
     assert DispatcherClosed is DispatcherClosedError
 
