@@ -178,10 +178,19 @@ def torch_constraints(session: nox.Session) -> str:
 # --- Shared steps -----------------------------------------------------------------------
 
 
+def upgrade_pip(session: nox.Session) -> None:
+    """Bring the session's pip up to date. The pip that ``venv`` bundles with Python 3.11
+    (23.2) cannot resolve ``-e packages/sakura-zero[test]`` in the same call as another
+    package that requires plain ``sakura-zero`` (it looks for it on the index and fails);
+    current pip matches the local project."""
+    session.install("--upgrade", "pip")
+
+
 def install_workspace(session: nox.Session) -> None:
     """Install pinned torch, then every workspace distribution editable (core first, with
     ``[test]`` where a package declares that extra), then the test requirements."""
     constraints = torch_constraints(session)
+    upgrade_pip(session)
     session.install("-c", constraints, TORCH_PIN)
     session.install("-c", constraints, *editable(CORE))
     # All packages in one pip call, so a package that depends on another workspace package
