@@ -91,7 +91,7 @@ def test_options_the_service_does_not_take_go_to_the_dispatcher() -> None:
     [
         (
             "async_eval:gpu",
-            "unknown dispatcher 'gpu'; accepted: inthread, thread, process, remote, cluster",
+            "unknown dispatcher 'gpu'; accepted: cluster, inthread, (.*, )?process, remote, thread",
         ),
         ("async_eval:thread,process", "only one positional value"),
         ("async_eval:thread,bogus=1", "bogus"),

@@ -9,8 +9,9 @@ Services::
               [,mode=min|max][,keep=N|none][,format=torch|safetensors|lightning]
               [,compress=LEVEL][,max_pending=N][,<dispatcher option>=...]
 
-``DISPATCHER`` is a registered dispatcher name (``inthread``, ``thread`` (default),
-``process``, ``remote``, ``cluster``); options the service does not take go to the
+``DISPATCHER`` is a registered dispatcher name: sakura-async's own (``inthread``,
+``thread`` (default), ``process``, ``remote``, ``cluster``) or one that another installed
+plugin registers (``sakura dispatchers`` lists them all); options the service does not take go to the
 dispatcher (``async_eval:process,threads=2``, ``async_checkpoint:remote,uri=tls://h:4433,
 token_file=t,cert_file=c.pem``).
 
@@ -47,6 +48,13 @@ from sakura.specs import Spec
 __all__ = ["build_async_checkpoint", "build_async_eval", "import_object"]
 
 DISPATCHERS = ("inthread", "thread", "process", "remote", "cluster")
+"""sakura-async's own dispatchers; a spec string may name any registered one."""
+
+
+def _registered_dispatchers() -> list[str]:
+    from sakura.plugins import get_plugin_manager
+
+    return get_plugin_manager().registry("dispatcher").names()
 
 
 def import_object(text: str, option: str) -> Any:
@@ -75,13 +83,15 @@ def _split(
     if len(spec.args) > 1:
         raise SpecError(
             f"{spec.text or spec.name!r}: only one positional value, the dispatcher "
-            f"({', '.join(DISPATCHERS)}), is accepted; write other options as key=value"
+            f"({', '.join(_registered_dispatchers())}), is accepted; write other options as "
+            "key=value"
         )
     dispatcher_name = spec.args[0] if spec.args else spec.kwargs.get("dispatcher", "thread")
-    if dispatcher_name not in DISPATCHERS:
+    registered = _registered_dispatchers()
+    if dispatcher_name not in registered:
         raise SpecError(
             f"{spec.text or spec.name!r}: unknown dispatcher {dispatcher_name!r}; accepted: "
-            f"{', '.join(DISPATCHERS)}"
+            f"{', '.join(registered)}"
         )
     service_params = set(inspect.signature(service_cls).parameters) | own
     service_kwargs: dict[str, Any] = {}
