@@ -11,6 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from sakura_offload.loss import causal_lm_loss, chunked_causal_lm_loss
     from sakura_offload.optimizer import OffloadAdamW
     from sakura_offload.service import OffloadAdamWService
 
@@ -19,9 +20,16 @@ if TYPE_CHECKING:
 _EXPORTS = {
     "OffloadAdamW": "sakura_offload.optimizer",
     "OffloadAdamWService": "sakura_offload.service",
+    "causal_lm_loss": "sakura_offload.loss",
+    "chunked_causal_lm_loss": "sakura_offload.loss",
 }
 
-__all__ = ["OffloadAdamW", "OffloadAdamWService"]
+__all__ = [
+    "OffloadAdamW",
+    "OffloadAdamWService",
+    "causal_lm_loss",
+    "chunked_causal_lm_loss",
+]
 __version__ = "0.1.0"
 
 

@@ -1,0 +1,320 @@
+"""Chunked causal-LM loss: cross-entropy over the vocabulary without the full logits.
+
+A causal LM's head turns ``tokens x hidden`` into ``tokens x vocab`` logits, and for a long
+sequence and a large vocabulary that one tensor (kept for backward, in fp32) is often the
+largest of the step.  :func:`chunked_causal_lm_loss` computes the logits of ``chunk_size``
+tokens at a time, keeps of each chunk only one number per token (its log-sum-exp) and
+recomputes the chunk's logits in backward, so at most one chunk's logits (and the
+temporaries of one chunk) exist at any time.
+
+Semantics are those of transformers' ``ForCausalLMLoss``:
+
+* ``labels`` are the model's input labels, not shifted: position ``t`` is scored against
+  ``labels[..., t + 1]`` and the last position against nothing (as if ``ignore_index``).
+  Pass ``shift_labels=`` instead when the labels are already aligned with the positions
+  (packed sequences, sequence parallelism);
+* logits are computed in the hidden states' dtype (or under the ambient autocast), then
+  upcast to fp32 before the softmax;
+* ``reduction="mean"`` divides the summed loss by the number of scored tokens, or by
+  ``num_items_in_batch`` when given (gradient accumulation: the Trainer passes the number
+  of scored tokens of all the micro-batches of one optimizer step).
+
+:func:`causal_lm_loss` applies it to a Hugging Face ``*ForCausalLM`` (or a PEFT model
+wrapping one): it runs the decoder, then this loss with the model's ``lm_head``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from sakura.options import check_choice, check_int, option_error
+
+__all__ = ["REDUCTIONS", "causal_lm_loss", "chunked_causal_lm_loss", "shift_causal_labels"]
+
+_OWNER = "chunked_causal_lm_loss"
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def shift_causal_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """``labels[..., 1:]`` padded with ``ignore_index``: the target of every position."""
+    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:].contiguous()
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Forward: per-token losses (unreduced, fp32) and nothing of size tokens x vocab saved.
+
+    Inputs: hidden ``(N, H)``, weight ``(V, H)``, bias ``(V,)`` or None, targets ``(N,)``.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        chunk_size: int,
+        ignore_index: int,
+    ) -> torch.Tensor:
+        n = hidden.shape[0]
+        valid = targets != ignore_index
+        safe = torch.where(valid, targets, torch.zeros_like(targets)).unsqueeze(1)
+        losses = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        for start in range(0, n, chunk_size):
+            stop = min(start + chunk_size, n)
+            logits = F.linear(hidden[start:stop], weight, bias).float()
+            chunk_lse = torch.logsumexp(logits, dim=-1)
+            lse[start:stop] = chunk_lse
+            # -log_softmax(x)[t] = logsumexp(x) - x[t]; 0 for ignored targets (as F.cross_entropy).
+            picked = logits.gather(1, safe[start:stop]).squeeze(1)
+            losses[start:stop] = torch.where(
+                valid[start:stop], chunk_lse - picked, torch.zeros_like(picked)
+            )
+            del logits
+        device_type = hidden.device.type
+        ctx.autocast = (
+            device_type,
+            torch.is_autocast_enabled(device_type),
+            torch.get_autocast_dtype(device_type),
+        )
+        ctx.chunk_size = chunk_size
+        ctx.save_for_backward(hidden, weight, bias, safe, valid, lse)
+        return losses
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_losses: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, bias, safe, valid, lse = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        device_type, enabled, autocast_dtype = ctx.autocast
+        n = hidden.shape[0]
+        # d loss_i / d logits_i = softmax(logits_i) - onehot(t_i), times the incoming gradient
+        # of token i (0 for ignored tokens).  As in autograd through F.linear(...).float(),
+        # that gradient is cast to the dtype the matmul ran in before the two matmuls.
+        row_scale = torch.where(valid, grad_losses.float(), torch.zeros_like(lse))
+        grad_h = torch.empty_like(hidden) if need_h else None
+        # Weight and bias gradients are summed over the chunks in fp32 and cast once.
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+        grad_b = (
+            torch.zeros_like(bias, dtype=torch.float32) if need_b and bias is not None else None
+        )
+        weight_c: torch.Tensor | None = None
+        for start in range(0, n, ctx.chunk_size):
+            stop = min(start + ctx.chunk_size, n)
+            h = hidden[start:stop]
+            with torch.autocast(device_type, dtype=autocast_dtype, enabled=enabled):
+                raw = F.linear(h, weight, bias)
+            compute = raw.dtype
+            probs = raw.float()
+            del raw
+            probs.sub_(lse[start:stop].unsqueeze(1)).exp_()
+            probs.scatter_add_(
+                1,
+                safe[start:stop],
+                torch.full((stop - start, 1), -1.0, dtype=probs.dtype, device=probs.device),
+            )
+            probs.mul_(row_scale[start:stop].unsqueeze(1))
+            g = probs.to(compute)
+            del probs
+            h_c = h.to(compute)
+            if grad_h is not None:
+                if weight_c is None:
+                    weight_c = weight.to(compute)
+                grad_h[start:stop] = (g @ weight_c).to(hidden.dtype)
+            if grad_w is not None:
+                if compute == torch.float32:
+                    grad_w.addmm_(g.t(), h_c)
+                else:
+                    grad_w += (g.t() @ h_c).float()
+            if grad_b is not None:
+                grad_b += g.sum(0).float()
+            del g
+        return (
+            grad_h,
+            grad_w.to(weight.dtype) if grad_w is not None else None,
+            grad_b.to(bias.dtype) if grad_b is not None else None,
+            None,
+            None,
+            None,
+        )
+
+
+def chunked_causal_lm_loss(
+    hidden_states: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor | None,
+    *,
+    chunk_size: int = 1024,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    bias: torch.Tensor | None = None,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    shift_labels: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal-LM cross-entropy of ``hidden_states @ lm_head_weight.T (+ bias)`` in chunks.
+
+    Args:
+        hidden_states: ``(..., hidden)``, the decoder's last hidden states (every position).
+        lm_head_weight: ``(vocab, hidden)``, the output projection (``model.lm_head.weight``).
+        labels: ``(...)`` token ids as the model takes them; shifted here by one as
+            transformers does.  ``None`` when ``shift_labels`` is given.
+        chunk_size: tokens per chunk (the logits of this many tokens exist at a time).
+        ignore_index: targets with this value are not scored.
+        reduction: ``"mean"`` (over scored tokens, or ``num_items_in_batch``), ``"sum"``,
+            or ``"none"`` (a loss per position, shaped like the labels; 0 where ignored).
+        bias: ``(vocab,)``, the head's bias if it has one.
+        num_items_in_batch: with ``reduction="mean"``: divide the summed loss by this
+            instead of this batch's number of scored tokens (as transformers' Trainer does
+            under gradient accumulation).  An int or a 0-d tensor.
+        shift_labels: targets already aligned with the positions (not shifted again).
+
+    Returns:
+        an fp32 loss: a scalar, or per position for ``reduction="none"``.
+    """
+    chunk_size = check_int("chunk_size", chunk_size, minimum=1, owner=_OWNER)
+    ignore_index = check_int("ignore_index", ignore_index, owner=_OWNER)
+    check_choice("reduction", reduction, REDUCTIONS, owner=_OWNER)
+    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() < 1:
+        raise option_error(
+            "hidden_states", type(hidden_states).__name__, "a tensor (..., hidden)", owner=_OWNER
+        )
+    hidden_size = hidden_states.shape[-1]
+    if (
+        not isinstance(lm_head_weight, torch.Tensor)
+        or lm_head_weight.dim() != 2
+        or lm_head_weight.shape[1] != hidden_size
+    ):
+        shape = tuple(lm_head_weight.shape) if isinstance(lm_head_weight, torch.Tensor) else None
+        raise option_error(
+            "lm_head_weight", shape, f"a tensor (vocab, {hidden_size})", owner=_OWNER
+        )
+    vocab = lm_head_weight.shape[0]
+    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (vocab,)):
+        shape = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+        raise option_error("bias", shape, f"None or a tensor ({vocab},)", owner=_OWNER)
+    if (labels is None) == (shift_labels is None):
+        raise option_error(
+            "shift_labels",
+            None if shift_labels is None else "a tensor",
+            "exactly one of labels and shift_labels",
+            owner=_OWNER,
+        )
+    targets = shift_causal_labels(labels, ignore_index) if labels is not None else shift_labels
+    assert targets is not None  # noqa: S101 (checked above: exactly one is given)
+    if tuple(targets.shape) != tuple(hidden_states.shape[:-1]):
+        raise option_error(
+            "labels" if labels is not None else "shift_labels",
+            tuple(targets.shape),
+            f"a tensor shaped like hidden_states without its last dimension, "
+            f"{tuple(hidden_states.shape[:-1])}",
+            owner=_OWNER,
+        )
+    if targets.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise option_error("labels", str(targets.dtype), "an integer tensor", owner=_OWNER)
+    if num_items_in_batch is not None:
+        if reduction != "mean":
+            raise option_error(
+                "num_items_in_batch",
+                num_items_in_batch,
+                "None unless reduction='mean'",
+                owner=_OWNER,
+            )
+        if isinstance(num_items_in_batch, bool) or not isinstance(
+            num_items_in_batch, (int, torch.Tensor)
+        ):
+            raise option_error(
+                "num_items_in_batch", num_items_in_batch, "None, an int or a tensor", owner=_OWNER
+            )
+    flat_targets = targets.reshape(-1).to(device=hidden_states.device, dtype=torch.int64)
+    losses: torch.Tensor = _ChunkedCrossEntropy.apply(  # type: ignore[no-untyped-call]
+        hidden_states.reshape(-1, hidden_size),
+        lm_head_weight,
+        bias,
+        flat_targets,
+        chunk_size,
+        ignore_index,
+    )
+    if reduction == "none":
+        return losses.view(targets.shape)
+    total = losses.sum()
+    if reduction == "sum":
+        return total
+    if num_items_in_batch is None:
+        return total / (flat_targets != ignore_index).sum()
+    if isinstance(num_items_in_batch, torch.Tensor):
+        return total / num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
+
+
+def _causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
+    """The decoder and the ``lm_head`` of a transformers ``*ForCausalLM`` (PEFT unwrapped)."""
+    owner = "causal_lm_loss"
+    get_base = getattr(model, "get_base_model", None)
+    if callable(get_base) and type(model).__module__.startswith("peft"):
+        model = get_base()
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    decoder = getattr(model, "base_model", None)
+    if head is None or decoder is None or decoder is model:
+        raise option_error(
+            "model",
+            type(model).__name__,
+            "a transformers *ForCausalLM model (or a PEFT model wrapping one)",
+            owner=owner,
+        )
+    if not isinstance(head, nn.Linear):
+        raise NotImplementedError(
+            f"{owner}: the output layer of {type(model).__name__} is a {type(head).__name__}, "
+            f"not a plain torch.nn.Linear (an adapted or quantized lm_head); the chunked loss "
+            f"uses lm_head.weight directly, so compute this loss through the model instead"
+        )
+    config = getattr(model, "config", None)
+    for attribute in ("final_logit_softcapping", "logit_scale"):
+        if getattr(config, attribute, None) not in (None, 1.0):
+            raise NotImplementedError(
+                f"{owner}: {type(model).__name__} transforms its logits "
+                f"(config.{attribute}={getattr(config, attribute)!r}), which the chunked loss "
+                f"does not reproduce; compute this loss through the model instead"
+            )
+    return decoder, head
+
+
+def causal_lm_loss(
+    model: nn.Module,
+    input_ids: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    *,
+    chunk_size: int = 1024,
+    ignore_index: int = -100,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    shift_labels: torch.Tensor | None = None,
+    **model_kwargs: Any,
+) -> torch.Tensor:
+    """The loss ``model(input_ids, labels=labels).loss`` would give, without its logits.
+
+    ``model`` is a transformers ``*ForCausalLM`` with a plain ``nn.Linear`` head (tied or
+    not), or a PEFT model wrapping one (LoRA layers inside the decoder are used as the
+    model uses them).  ``model_kwargs`` (``attention_mask``, ``position_ids``,
+    ``inputs_embeds`` ...) go to the decoder.  ``num_items_in_batch`` and ``shift_labels``
+    mean what they mean to transformers' loss; see :func:`chunked_causal_lm_loss`.
+    """
+    decoder, head = _causal_lm_parts(model)
+    model_kwargs.setdefault("use_cache", False)
+    outputs = decoder(input_ids=input_ids, **model_kwargs)
+    hidden = outputs[0] if isinstance(outputs, tuple) else outputs.last_hidden_state
+    return chunked_causal_lm_loss(
+        hidden,
+        head.weight,
+        labels,
+        chunk_size=chunk_size,
+        ignore_index=ignore_index,
+        bias=head.bias,
+        num_items_in_batch=num_items_in_batch,
+        shift_labels=shift_labels,
+    )
