@@ -235,6 +235,9 @@ def test_a_task_over_its_timeout_fails_and_its_worker_is_replaced(tmp_path: Path
             TaskTimeoutError, match=r"\(sleep_then\) did not finish within task_timeout=3 s"
         ):
             hung.result(timeout=120)  # a hang detector
+        # The replacement must be up before the next task: task_timeout counts from submit,
+        # and starting a worker (importing torch) can take longer than 3 s on a loaded machine.
+        d.wait_ready()
         assert d.submit(sleep_then, 0, 5).result(timeout=120) == 5
         assert d.workers_started == 2 and d.worker_pid != first
     assert not psutil.pid_exists(first) or psutil.Process(first).status() == psutil.STATUS_ZOMBIE
