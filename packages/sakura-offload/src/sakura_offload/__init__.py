@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from sakura_offload.loss import causal_lm_loss, chunked_causal_lm_loss
     from sakura_offload.optimizer import OffloadAdamW
     from sakura_offload.service import OffloadAdamWService
+    from sakura_offload.weights import WeightPaging, WeightPagingStats
 
 # Exports load on first use: the plugin module (sakura_offload.plugin) is imported whenever
 # sakura lists plugins, and that must not import torch.
@@ -22,11 +23,15 @@ _EXPORTS = {
     "OffloadAdamWService": "sakura_offload.service",
     "causal_lm_loss": "sakura_offload.loss",
     "chunked_causal_lm_loss": "sakura_offload.loss",
+    "WeightPaging": "sakura_offload.weights",
+    "WeightPagingStats": "sakura_offload.weights",
 }
 
 __all__ = [
     "OffloadAdamW",
     "OffloadAdamWService",
+    "WeightPaging",
+    "WeightPagingStats",
     "causal_lm_loss",
     "chunked_causal_lm_loss",
 ]

@@ -1,0 +1,523 @@
+"""Frozen-weight paging: the frozen parameters of a model's blocks live in host RAM and are
+copied to the compute device only while their block runs, forward and backward, with the
+next blocks prefetched.
+
+``WeightPaging(model)`` finds the repeated block stack (as sakura-precision's
+``ActivationCheckpoint`` does, see :mod:`sakura_offload._blocks`) and, for each selected
+block, moves its frozen (``requires_grad=False``) parameters to a host store: page-locked
+RAM when the compute device is a CUDA GPU.  Between uses ``param.data`` *is* that host
+tensor, so ``state_dict()``, ``named_parameters()`` and shapes stay as they were.
+Trainable parameters (LoRA adapters, an unfrozen norm) are never paged.
+
+How a block's weights come and go (module hooks and saved-tensor hooks):
+
+* forward pre-hook of block ``k``: its weights are materialised on the device (fresh
+  tensors, copied from the host store, or waited for if prefetched) and installed as
+  ``param.data``; blocks ``k+1 .. k+prefetch`` are prefetched (on CUDA: copied on a side
+  stream, the compute stream waits on an event before using them);
+* during the block's forward, a saved-tensor hook replaces every tensor autograd saves
+  that lives in one of these device weights (the weight itself, a transpose or another
+  view of it) by a small token: autograd's graph holds no reference to device weights;
+* forward hook (also when the forward raises): ``param.data`` goes back to the host store
+  and the device copies are dropped.  A copy that something else still references
+  (a module that keeps ``self.weight`` somewhere, saved-tensor hooks entered inside the
+  block that keep what they are given) is not freed; when the next block starts (or on ``check_released()``) such a copy is
+  counted in ``stats.still_referenced`` and warned about once per block;
+* backward: a hook on the block's outputs fires when their gradient is ready, i.e.
+  before the block's own backward runs: the block is materialised again and installed
+  (so activation-checkpointing recomputation inside the block sees device weights), blocks
+  ``k-1 .. k-prefetch`` are prefetched, later blocks (whose backward is done) released;
+  tokens unpack to views of the installed copies.  When the backward pass ends (an
+  autograd engine callback) every block is released.
+
+At most ``prefetch + 1`` blocks are materialised at any time (``stats.max_live_blocks``).
+The copies are exact, so outputs and gradients are bit-identical to the unpaged model.
+
+A tensor *computed* from a paged weight (a dtype cast, a dequantised copy) is an ordinary
+activation for autograd: it is kept (or paged by :class:`ActivationPaging`) like any other.
+Saved tensors that are not paged weights go to the saved-tensor hooks that were active
+when the block started (an enclosing ``ActivationPaging``, for instance), so the two
+compose.  Inside ``torch.utils.checkpoint`` (transformers' gradient checkpointing,
+sakura-precision's ``ActivationCheckpoint``) nothing is saved, so no token is made; when
+the block is recomputed in backward its weights are already installed, and they stay
+installed until the backward of the block before it begins.
+
+On a CPU the host store and the "device" are the same memory: materialising makes real
+copies that are freed after use, which is what the tests check (a simulated device budget).
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from sakura.options import check_choice, check_int, option_error
+from sakura_offload._blocks import find_blocks, validate_selector
+
+__all__ = ["WeightPaging", "WeightPagingStats"]
+
+_OWNER = "WeightPaging"
+
+
+@dataclass
+class WeightPagingStats:
+    """What one :class:`WeightPaging` holds and did (counts are cumulative)."""
+
+    blocks: int = 0
+    """Blocks with paged weights."""
+    paged_params: int = 0
+    paged_bytes: int = 0
+    """Bytes of frozen weights held in the host store."""
+    materialised: int = 0
+    """Blocks copied to the device (forward and backward, prefetched or not)."""
+    prefetched: int = 0
+    """Of those, blocks copied ahead of their use."""
+    on_demand: int = 0
+    """Blocks materialised because backward needed a weight that was not installed."""
+    live_blocks: int = 0
+    """Blocks materialised now."""
+    max_live_blocks: int = 0
+    saved_tokens: int = 0
+    """Tensors autograd saved that were paged weights (or views) and became tokens."""
+    saved_kept: int = 0
+    """Saved tensors inside paged weights that could not become tokens (another dtype)."""
+    still_referenced: int = 0
+    """Released blocks whose device copy was still alive when checked (see
+    :meth:`WeightPaging.check_released`)."""
+
+
+class _Token:
+    """A saved view of a paged weight: which one, and the view's geometry."""
+
+    __slots__ = ("block", "name", "offset", "size", "stride")
+
+    def __init__(self, block: _Block, name: str, t: torch.Tensor) -> None:
+        self.block = block
+        self.name = name
+        self.size = t.shape
+        self.stride = t.stride()
+        self.offset = t.storage_offset()
+
+
+class _Outer:
+    """A saved tensor packed by the hooks that were active below ours."""
+
+    __slots__ = ("packed", "unpack")
+
+    def __init__(self, packed: Any, unpack: Any) -> None:
+        self.packed = packed
+        self.unpack = unpack
+
+
+class _Block:
+    __slots__ = (
+        "__weakref__",
+        "event",
+        "host",
+        "index",
+        "installed",
+        "live",
+        "module",
+        "name",
+        "params",
+        "warned",
+    )
+
+    def __init__(self, index: int, name: str, module: nn.Module) -> None:
+        self.index = index
+        self.name = name
+        self.module = module
+        self.params: list[tuple[str, nn.Parameter]] = []
+        self.host: dict[str, torch.Tensor] = {}
+        self.live: dict[str, torch.Tensor] | None = None
+        self.event: Any = None
+        self.installed = False
+        self.warned = False
+
+
+def _tensors(value: Any) -> Iterable[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+def _in_backward() -> bool:
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+def _is_checkpoint(hooks: tuple[Any, Any] | None) -> bool:
+    """True for torch.utils.checkpoint's hooks: they keep no tensor (the block is run again
+    in backward), and they must see every tensor the recomputation will save again."""
+    return hooks is not None and getattr(hooks[0], "__module__", "") == "torch.utils.checkpoint"
+
+
+class WeightPaging:
+    """Page the frozen weights of ``model``'s blocks to host RAM (see the module docstring).
+
+    Args:
+        model: the model (a PEFT model too: its frozen base weights are paged, its
+            adapters are not).
+        blocks: which modules are blocks: ``None`` auto-detects the repeated block stack;
+            or a class, a tuple of classes, a class name, a callable
+            ``(qualified_name, module) -> bool``.
+        indices: which of those blocks to page, by position (``None``: all).  The memory
+            planner passes the blocks it decided to page.
+        prefetch: how many blocks ahead (forward) or behind (backward) are copied while
+            the current block runs; ``0`` copies each block when it starts.
+        device: the compute device.  ``None``: where the model's first parameter is.  The
+            rest of the model (parameters not paged, buffers) is moved there.
+        pin_memory: page-lock the host store; ``None``: when ``device`` is a CUDA device.
+
+    ``remove()`` puts every weight back on the device and removes the hooks.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        blocks: Any = None,
+        indices: Sequence[int] | None = None,
+        prefetch: int = 1,
+        device: str | torch.device | None = None,
+        pin_memory: bool | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise option_error("model", type(model).__name__, "a torch.nn.Module", owner=_OWNER)
+        validate_selector(blocks, owner=_OWNER)
+        self.prefetch: int = check_int("prefetch", prefetch, minimum=0, owner=_OWNER)
+        check_choice("pin_memory", pin_memory, (None, True, False), owner=_OWNER)
+        self.device = self._resolve_device(model, device)
+        if pin_memory is None:
+            pin_memory = self.device.type == "cuda"
+        if pin_memory and not torch.cuda.is_available():
+            raise option_error(
+                "pin_memory", True, "None or False (page-locking needs CUDA)", owner=_OWNER
+            )
+        self.pin_memory: bool = pin_memory
+        found = find_blocks(model, blocks, owner=_OWNER)
+        chosen = self._check_indices(indices, len(found))
+        self.model = model
+        self.block_names = [name for name, _ in found]
+        self.stats = WeightPagingStats()
+        self._blocks: list[_Block] = []
+        self._by_storage: dict[int, tuple[_Block, str]] = {}
+        self._handles: list[Any] = []
+        self._saved_hooks: list[Any] = []
+        self._callback_queued = False
+        self._removed = False
+        self._released: list[tuple[_Block, list[weakref.ref[torch.UntypedStorage]]]] = []
+        self._stream: Any = None
+        if self.device.type == "cuda":
+            self._stream = torch.cuda.Stream(self.device)
+        paged_ids: set[int] = set()
+        for position in chosen:
+            name, module = found[position]
+            block = _Block(len(self._blocks), name, module)
+            for pname, param in module.named_parameters():
+                if param.requires_grad or param.numel() == 0 or id(param) in paged_ids:
+                    continue
+                paged_ids.add(id(param))
+                block.params.append((pname, param))
+            if block.params:
+                self._blocks.append(block)
+        self.paged_names = [block.name for block in self._blocks]
+        """Qualified names of the blocks whose weights are paged."""
+        self._move_rest(model, paged_ids)
+        for block in self._blocks:
+            for pname, param in block.params:
+                host = torch.empty_like(param, device="cpu", pin_memory=self.pin_memory)
+                host.copy_(param.detach())
+                block.host[pname] = host
+                param.data = host
+                self.stats.paged_params += 1
+                self.stats.paged_bytes += host.numel() * host.element_size()
+            self._handles.append(block.module.register_forward_pre_hook(self._make_pre_hook(block)))
+            self._handles.append(
+                block.module.register_forward_hook(self._make_post_hook(block), always_call=True)
+            )
+        self.stats.blocks = len(self._blocks)
+
+    # --- setup ------------------------------------------------------------------------
+
+    @staticmethod
+    def _resolve_device(model: nn.Module, device: Any) -> torch.device:
+        if device is None:
+            first = next(model.parameters(), None)
+            return first.device if first is not None else torch.device("cpu")
+        try:
+            resolved = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise option_error(
+                "device", device, "None, a device string or a torch.device", owner=_OWNER
+            ) from None
+        if resolved.type == "cuda":
+            if not torch.cuda.is_available():
+                raise option_error("device", device, "a device that exists here", owner=_OWNER)
+            if cast(Any, resolved).index is None:  # typed int, None for plain "cuda"
+                return torch.device("cuda", torch.cuda.current_device())
+        return resolved
+
+    @staticmethod
+    def _check_indices(indices: Any, count: int) -> list[int]:
+        if indices is None:
+            return list(range(count))
+        accepted = f"None or distinct block positions, ints in [0, {count})"
+        if isinstance(indices, (str, bytes)) or not isinstance(indices, Sequence):
+            raise option_error("indices", indices, accepted, owner=_OWNER)
+        for i in indices:
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < count:
+                raise option_error("indices", indices, accepted, owner=_OWNER)
+        if len(set(indices)) != len(indices):
+            raise option_error("indices", indices, accepted, owner=_OWNER)
+        return sorted(indices)
+
+    def _move_rest(self, model: nn.Module, paged: set[int]) -> None:
+        for param in model.parameters():
+            if id(param) not in paged and param.device != self.device:
+                param.data = param.data.to(self.device)
+        for module in model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None and buffer.device != self.device:
+                    module._buffers[name] = buffer.to(self.device)
+
+    # --- materialising and releasing ---------------------------------------------------
+
+    def _copy(self, block: _Block, *, ahead: bool) -> None:
+        """Make device copies of ``block``'s weights (no-op if it has them)."""
+        if block.live is not None:
+            return
+        live: dict[str, torch.Tensor] = {}
+        if self._stream is not None:
+            stream = self._stream if ahead else torch.cuda.current_stream(self.device)
+            if ahead:  # allocations and copies are ordered after what runs now
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for pname, host in block.host.items():
+                    fresh = torch.empty_like(host, device=self.device)
+                    fresh.copy_(host, non_blocking=True)
+                    live[pname] = fresh
+                if ahead:
+                    block.event = torch.cuda.Event()
+                    block.event.record(stream)
+        else:
+            for pname, host in block.host.items():
+                live[pname] = torch.empty_like(host).copy_(host)
+        block.live = live
+        for pname, fresh in live.items():
+            self._by_storage[fresh.untyped_storage().data_ptr()] = (block, pname)
+        stats = self.stats
+        stats.materialised += 1
+        stats.prefetched += int(ahead)
+        stats.live_blocks += 1
+        stats.max_live_blocks = max(stats.max_live_blocks, stats.live_blocks)
+
+    def _install(self, block: _Block) -> None:
+        self._copy(block, ahead=False)
+        assert block.live is not None  # noqa: S101 (just made)
+        if block.event is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(block.event)
+            for fresh in block.live.values():
+                fresh.record_stream(current)
+            block.event = None
+        if not block.installed:
+            for pname, param in block.params:
+                param.data = block.live[pname]
+            block.installed = True
+
+    def _release(self, block: _Block) -> None:
+        if block.live is None:
+            return
+        if block.event is not None:  # prefetched, never used: the copy must finish first
+            torch.cuda.current_stream(self.device).wait_event(block.event)
+            for fresh in block.live.values():
+                fresh.record_stream(torch.cuda.current_stream(self.device))
+            block.event = None
+        for pname, param in block.params:
+            param.data = block.host[pname]
+        block.installed = False
+        self._released.append((block, self._forget(block)))
+        self.stats.live_blocks -= 1
+
+    def check_released(self) -> None:
+        """Count (and warn once per block about) released device copies still alive.
+
+        Checked when the next block starts, not at release: the graph of a backward pass
+        that just ended (a checkpointed block's recomputed tensors, nodes that did not
+        run) is freed after the end-of-backward release, and frees its aliases then."""
+        released, self._released = self._released, []
+        for block, refs in released:
+            if not any(ref() is not None for ref in refs):
+                continue
+            self.stats.still_referenced += 1
+            if not block.warned:
+                block.warned = True
+                warnings.warn(
+                    f"WeightPaging: a device copy of block {block.name}'s weights is still "
+                    f"referenced after its release, so its memory is not freed (a module "
+                    f"keeping a weight, or a tensor saved by a hook that ran before "
+                    f"WeightPaging's)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+
+    def _forget(self, block: _Block) -> list[weakref.ref[torch.UntypedStorage]]:
+        """Drop this object's references to the block's device copies; weak ones remain."""
+        assert block.live is not None  # noqa: S101 (checked by the caller)
+        refs = []
+        for fresh in block.live.values():
+            storage = fresh.untyped_storage()
+            del self._by_storage[storage.data_ptr()]
+            refs.append(weakref.ref(storage))
+        block.live = None
+        return refs
+
+    def _keep_only(self, lo: int, hi: int) -> None:
+        for block in self._blocks:
+            if block.live is not None and not lo <= block.index <= hi:
+                self._release(block)
+
+    def release_all(self) -> None:
+        """Drop every device copy (done automatically after each block and each backward)."""
+        for block in self._blocks:
+            self._release(block)
+
+    # --- hooks ------------------------------------------------------------------------
+
+    def _make_pre_hook(self, block: _Block) -> Any:
+        def pre_hook(module: nn.Module, args: Any) -> None:
+            if _in_backward():  # activation checkpointing recomputes the block
+                self._backward_enter(block)
+                self._saved_hooks.append(None)
+                return
+            self.check_released()
+            k = block.index
+            self._keep_only(k, k + self.prefetch)
+            self._install(block)
+            for ahead in self._blocks[k + 1 : k + 1 + self.prefetch]:
+                self._copy(ahead, ahead=True)
+            top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            if torch.is_grad_enabled() and not _is_checkpoint(top):
+                hooks = torch.autograd.graph.saved_tensors_hooks(self._make_pack(top), self._unpack)
+                hooks.__enter__()
+                self._saved_hooks.append(hooks)
+            else:
+                self._saved_hooks.append(None)
+
+        return pre_hook
+
+    def _make_post_hook(self, block: _Block) -> Any:
+        def post_hook(module: nn.Module, args: Any, output: Any) -> None:
+            hooks = self._saved_hooks.pop() if self._saved_hooks else None
+            if hooks is not None:
+                hooks.__exit__(None, None, None)
+            if _in_backward():  # a recomputation: backward still needs the weights
+                return
+            self._release(block)
+            if torch.is_grad_enabled():
+                for t in _tensors(output):
+                    if t.requires_grad:
+                        t.register_hook(self._make_backward_hook(block))
+
+        return post_hook
+
+    def _make_backward_hook(self, block: _Block) -> Any:
+        ref = weakref.ref(self)
+
+        def backward_hook(grad: torch.Tensor) -> None:
+            paging = ref()
+            if paging is not None:
+                paging._backward_enter(block)
+
+        return backward_hook
+
+    def _backward_enter(self, block: _Block) -> None:
+        if self._removed:
+            return
+        k = block.index
+        self._keep_only(k - self.prefetch, k)
+        self._install(block)
+        for behind in reversed(self._blocks[max(0, k - self.prefetch) : k]):
+            self._copy(behind, ahead=True)
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+
+    def _backward_end(self) -> None:
+        self._callback_queued = False
+        self.release_all()
+
+    def _make_pack(self, top: tuple[Any, Any] | None) -> Any:
+        def pack(t: torch.Tensor) -> Any:
+            if t.layout == torch.strided and t.device == self.device:
+                owner = self._by_storage.get(t.untyped_storage().data_ptr())
+                if owner is not None:
+                    block, pname = owner
+                    if t.dtype == block.host[pname].dtype:
+                        self.stats.saved_tokens += 1
+                        return _Token(block, pname, t)
+                    self.stats.saved_kept += 1
+            if top is None:
+                return t
+            return _Outer(top[0](t), top[1])
+
+        return pack
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        if isinstance(packed, _Outer):
+            restored: torch.Tensor = packed.unpack(packed.packed)
+            return restored
+        block = packed.block
+        if self._removed:  # a graph that outlived remove(): the weights are plain again
+            weight = block.host[packed.name].to(self.device, copy=True)
+            restored = weight.as_strided(packed.size, packed.stride, packed.offset)
+            return restored
+        if not block.installed:
+            self.stats.on_demand += 1
+            self._keep_only(block.index - self.prefetch, block.index)
+            self._install(block)
+            if _in_backward() and not self._callback_queued:
+                self._callback_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+        assert block.live is not None  # noqa: S101 (installed)
+        view: torch.Tensor = block.live[packed.name].as_strided(
+            packed.size, packed.stride, packed.offset
+        )
+        return view
+
+    # --- teardown ---------------------------------------------------------------------
+
+    def remove(self) -> None:
+        """Put every paged weight back on the device (as ``param.data``); remove the hooks."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.release_all()
+        self.check_released()
+        for block in self._blocks:
+            for pname, param in block.params:
+                param.data = block.host[pname].to(self.device, copy=True)
+        self._blocks.clear()
+        self._by_storage.clear()
+        self._removed = True
+        self.stats.blocks = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"WeightPaging({len(self._blocks)} of {len(self.block_names)} blocks, "
+            f"{self.stats.paged_bytes} bytes on the host, prefetch={self.prefetch}, "
+            f"device={self.device})"
+        )
