@@ -14,7 +14,7 @@ import torch
 
 from sakura.options import OptionError
 from sakura_offload.paging import ActivationPaging
-from sakura_offload.weights import WeightPaging
+from sakura_offload.weights import WeightPaging, frozen_block_bytes
 
 WIDTH = 24
 
@@ -140,6 +140,10 @@ def test_training_is_bit_identical_and_at_most_prefetch_plus_one_blocks_live(
     assert live.samples > 50 and len(live.copies) > 0
     assert live.max_live == min(prefetch + 1, 5)
     assert paging.stats.max_live_blocks == min(prefetch + 1, 5)
+    per_block = (2 * WIDTH * WIDTH + 2 * WIDTH + 2 * WIDTH * WIDTH) * 4
+    assert paging.paged_bytes == {f"blocks.{i}": per_block for i in range(5)}
+    assert paging.stats.max_live_bytes == min(prefetch + 1, 5) * per_block
+    assert paging.stats.live_bytes == 0
     # After each backward every copy is gone; between steps the weights are the host store.
     gc.collect()
     paging.check_released()
@@ -164,6 +168,9 @@ def test_forward_and_backward_each_materialise_every_block_once() -> None:
 def test_only_the_selected_blocks_are_paged() -> None:
     reference = train(net(), steps=2)
     model = net()
+    sizes = frozen_block_bytes(model)
+    assert [name for name, _ in sizes] == [f"blocks.{i}" for i in range(5)]
+    assert {size for _, size in sizes} == {(4 * WIDTH * WIDTH + 2 * WIDTH) * 4}
     paging = WeightPaging(model, indices=[3, 1], prefetch=1)
     assert paging.paged_names == ["blocks.1", "blocks.3"]
     assert paging.stats.paged_params == 6

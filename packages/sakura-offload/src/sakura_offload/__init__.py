@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from sakura_offload.loss import causal_lm_loss, chunked_causal_lm_loss
     from sakura_offload.optimizer import OffloadAdamW
     from sakura_offload.service import OffloadAdamWService
-    from sakura_offload.weights import WeightPaging, WeightPagingStats
+    from sakura_offload.weights import WeightPaging, WeightPagingStats, frozen_block_bytes
 
 # Exports load on first use: the plugin module (sakura_offload.plugin) is imported whenever
 # sakura lists plugins, and that must not import torch.
@@ -25,6 +25,7 @@ _EXPORTS = {
     "chunked_causal_lm_loss": "sakura_offload.loss",
     "WeightPaging": "sakura_offload.weights",
     "WeightPagingStats": "sakura_offload.weights",
+    "frozen_block_bytes": "sakura_offload.weights",
 }
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "WeightPagingStats",
     "causal_lm_loss",
     "chunked_causal_lm_loss",
+    "frozen_block_bytes",
 ]
 __version__ = "0.1.0"
 

@@ -60,7 +60,7 @@ from torch import nn
 from sakura.options import check_choice, check_int, option_error
 from sakura_offload._blocks import find_blocks, validate_selector
 
-__all__ = ["WeightPaging", "WeightPagingStats"]
+__all__ = ["WeightPaging", "WeightPagingStats", "frozen_block_bytes"]
 
 _OWNER = "WeightPaging"
 
@@ -83,6 +83,11 @@ class WeightPagingStats:
     live_blocks: int = 0
     """Blocks materialised now."""
     max_live_blocks: int = 0
+    live_bytes: int = 0
+    """Bytes of device copies materialised now."""
+    max_live_bytes: int = 0
+    """The most bytes of device copies materialised at once (what the device budget needs
+    for paged weights)."""
     saved_tokens: int = 0
     """Tensors autograd saved that were paged weights (or views) and became tokens."""
     saved_kept: int = 0
@@ -125,6 +130,7 @@ class _Block:
         "live",
         "module",
         "name",
+        "nbytes",
         "params",
         "warned",
     )
@@ -139,6 +145,7 @@ class _Block:
         self.event: Any = None
         self.installed = False
         self.warned = False
+        self.nbytes = 0
 
 
 def _tensors(value: Any) -> Iterable[torch.Tensor]:
@@ -150,6 +157,23 @@ def _tensors(value: Any) -> Iterable[torch.Tensor]:
     elif isinstance(value, dict):
         for item in value.values():
             yield from _tensors(item)
+
+
+def frozen_block_bytes(model: nn.Module, blocks: Any = None) -> list[tuple[str, int]]:
+    """``(block name, bytes of its frozen parameters)`` for every block of ``model`` (found
+    as :class:`WeightPaging` finds them, ``blocks`` as there): what paging each would take
+    off the device.  A parameter shared by several blocks counts in the first."""
+    validate_selector(blocks, owner="frozen_block_bytes")
+    seen: set[int] = set()
+    sizes = []
+    for name, module in find_blocks(model, blocks, owner="frozen_block_bytes"):
+        total = 0
+        for param in module.parameters():
+            if not param.requires_grad and id(param) not in seen:
+                seen.add(id(param))
+                total += param.numel() * param.element_size()
+        sizes.append((name, total))
+    return sizes
 
 
 def _in_backward() -> bool:
@@ -233,15 +257,19 @@ class WeightPaging:
                 self._blocks.append(block)
         self.paged_names = [block.name for block in self._blocks]
         """Qualified names of the blocks whose weights are paged."""
+        self.paged_bytes: dict[str, int] = {}
+        """Bytes of frozen weights in the host store, per paged block."""
         self._move_rest(model, paged_ids)
         for block in self._blocks:
             for pname, param in block.params:
                 host = torch.empty_like(param, device="cpu", pin_memory=self.pin_memory)
                 host.copy_(param.detach())
                 block.host[pname] = host
+                block.nbytes += host.numel() * host.element_size()
                 param.data = host
                 self.stats.paged_params += 1
                 self.stats.paged_bytes += host.numel() * host.element_size()
+            self.paged_bytes[block.name] = block.nbytes
             self._handles.append(block.module.register_forward_pre_hook(self._make_pre_hook(block)))
             self._handles.append(
                 block.module.register_forward_hook(self._make_post_hook(block), always_call=True)
@@ -321,6 +349,8 @@ class WeightPaging:
         stats.prefetched += int(ahead)
         stats.live_blocks += 1
         stats.max_live_blocks = max(stats.max_live_blocks, stats.live_blocks)
+        stats.live_bytes += block.nbytes
+        stats.max_live_bytes = max(stats.max_live_bytes, stats.live_bytes)
 
     def _install(self, block: _Block) -> None:
         self._copy(block, ahead=False)
@@ -349,6 +379,7 @@ class WeightPaging:
         block.installed = False
         self._released.append((block, self._forget(block)))
         self.stats.live_blocks -= 1
+        self.stats.live_bytes -= block.nbytes
 
     def check_released(self) -> None:
         """Count (and warn once per block about) released device copies still alive.
