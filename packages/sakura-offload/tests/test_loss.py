@@ -127,6 +127,26 @@ def test_bf16_autocast_rounds_like_the_full_loss() -> None:
         assert (a - r).abs().max() <= 2e-2 * r.abs().max()
 
 
+def test_gradient_accumulation_with_num_items_in_batch_equals_the_whole_batch() -> None:
+    hidden, weight, _, labels = inputs()
+    h, w = leaves(hidden, weight)
+    whole = chunked_causal_lm_loss(h, w, labels, chunk_size=8)
+    whole.backward()
+    scored = int((shift_causal_labels(labels) != -100).sum())
+    hm, wm = leaves(hidden, weight)
+    total = 0.0
+    for row in range(BATCH):  # one micro-batch per row, gradients accumulated
+        loss = chunked_causal_lm_loss(
+            hm[row : row + 1], wm, labels[row : row + 1], chunk_size=8, num_items_in_batch=scored
+        )
+        loss.backward()
+        total += loss.item()
+    assert abs(total - whole.item()) <= TOL
+    assert hm.grad is not None and h.grad is not None and wm.grad is not None
+    assert (hm.grad - h.grad).abs().max().item() <= TOL
+    assert (wm.grad - w.grad).abs().max().item() <= TOL
+
+
 def test_every_label_ignored_gives_nan_like_cross_entropy_and_zero_gradients() -> None:
     hidden, weight, _, labels = inputs()
     labels.fill_(-100)

@@ -178,6 +178,44 @@ def test_only_the_selected_blocks_are_paged() -> None:
     assert paging.stats.max_live_blocks == 2
 
 
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_a_forward_that_raises_leaves_nothing_installed(error: type[BaseException]) -> None:
+    reference = train(net(), steps=1)
+    model = net()
+    paging = WeightPaging(model, prefetch=1)
+
+    def fail(*_: Any) -> None:
+        raise error
+
+    handle = model.blocks[2].up.register_forward_pre_hook(fail)
+    with pytest.raises(error):
+        model(data())
+    handle.remove()
+    if error is KeyboardInterrupt:  # torch's always-call forward hooks do not run for it
+        paging.release_all()
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert model.blocks[2].down.data_ptr() == paging._blocks[2].host["down"].data_ptr()
+    assert_identical(train(model, steps=1), reference)
+    assert paging.stats.live_blocks == 0
+
+
+def test_an_interrupted_forward_is_unwound_by_the_next_one() -> None:
+    reference = train(net(), steps=1)
+    model = net()
+    paging = WeightPaging(model, prefetch=1)
+
+    def fail(*_: Any) -> None:
+        raise KeyboardInterrupt
+
+    handle = model.blocks[2].up.register_forward_pre_hook(fail)
+    with pytest.raises(KeyboardInterrupt):
+        model(data())
+    handle.remove()
+    assert_identical(train(model, steps=1), reference)
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert paging.stats.live_blocks == 0
+
+
 def test_retained_graph_runs_backward_twice() -> None:
     model = net()
     paging = WeightPaging(model)

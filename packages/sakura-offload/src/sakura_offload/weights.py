@@ -421,13 +421,30 @@ class WeightPaging:
 
     def release_all(self) -> None:
         """Drop every device copy (done automatically after each block and each backward)."""
+        self._unwind()
         for block in self._blocks:
             self._release(block)
+
+    def _unwind(self) -> None:
+        """Leave the saved-tensor hooks of a block whose forward never reached its forward
+        hook: torch runs always-call hooks on an ``Exception``, not on a
+        ``KeyboardInterrupt``.  Ours are popped only while they are on top of torch's
+        stack; under someone else's they stay, inert (they only turn installed weights
+        into tokens and pass everything else on)."""
+        while self._saved_hooks:
+            hooks = self._saved_hooks.pop()
+            if hooks is None:
+                continue
+            top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            if top is not None and top[0] is hooks.pack_hook:
+                hooks.__exit__(None, None, None)
 
     # --- hooks ------------------------------------------------------------------------
 
     def _make_pre_hook(self, block: _Block) -> Any:
         def pre_hook(module: nn.Module, args: Any) -> None:
+            if self._saved_hooks:  # the last forward was interrupted
+                self._unwind()
             if _in_backward():  # activation checkpointing recomputes the block
                 self._backward_enter(block)
                 self._saved_hooks.append(None)
