@@ -198,15 +198,17 @@ def chunked_causal_lm_loss(
     if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (vocab,)):
         shape = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
         raise option_error("bias", shape, f"None or a tensor ({vocab},)", owner=_OWNER)
-    if (labels is None) == (shift_labels is None):
+    if labels is not None and shift_labels is None:
+        targets = shift_causal_labels(labels, ignore_index)
+    elif shift_labels is not None and labels is None:
+        targets = shift_labels
+    else:
         raise option_error(
             "shift_labels",
             None if shift_labels is None else "a tensor",
             "exactly one of labels and shift_labels",
             owner=_OWNER,
         )
-    targets = shift_causal_labels(labels, ignore_index) if labels is not None else shift_labels
-    assert targets is not None  # noqa: S101 (checked above: exactly one is given)
     if tuple(targets.shape) != tuple(hidden_states.shape[:-1]):
         raise option_error(
             "labels" if labels is not None else "shift_labels",

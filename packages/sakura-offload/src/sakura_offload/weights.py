@@ -321,10 +321,10 @@ class WeightPaging:
 
     # --- materialising and releasing ---------------------------------------------------
 
-    def _copy(self, block: _Block, *, ahead: bool) -> None:
-        """Make device copies of ``block``'s weights (no-op if it has them)."""
+    def _copy(self, block: _Block, *, ahead: bool) -> dict[str, torch.Tensor]:
+        """Make device copies of ``block``'s weights (no-op if it has them); returns them."""
         if block.live is not None:
-            return
+            return block.live
         live: dict[str, torch.Tensor] = {}
         if self._stream is not None:
             stream = self._stream if ahead else torch.cuda.current_stream(self.device)
@@ -351,20 +351,21 @@ class WeightPaging:
         stats.max_live_blocks = max(stats.max_live_blocks, stats.live_blocks)
         stats.live_bytes += block.nbytes
         stats.max_live_bytes = max(stats.max_live_bytes, stats.live_bytes)
+        return live
 
-    def _install(self, block: _Block) -> None:
-        self._copy(block, ahead=False)
-        assert block.live is not None  # noqa: S101 (just made)
+    def _install(self, block: _Block) -> dict[str, torch.Tensor]:
+        live = self._copy(block, ahead=False)
         if block.event is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(block.event)
-            for fresh in block.live.values():
+            for fresh in live.values():
                 fresh.record_stream(current)
             block.event = None
         if not block.installed:
             for pname, param in block.params:
-                param.data = block.live[pname]
+                param.data = live[pname]
             block.installed = True
+        return live
 
     def _release(self, block: _Block) -> None:
         if block.live is None:
@@ -397,17 +398,16 @@ class WeightPaging:
                 warnings.warn(
                     f"WeightPaging: a device copy of block {block.name}'s weights is still "
                     f"referenced after its release, so its memory is not freed (a module "
-                    f"keeping a weight, or a tensor saved by a hook that ran before "
-                    f"WeightPaging's)",
+                    f"that keeps a weight, or saved-tensor hooks entered inside the block "
+                    f"that keep what they are given)",
                     RuntimeWarning,
                     stacklevel=3,
                 )
 
     def _forget(self, block: _Block) -> list[weakref.ref[torch.UntypedStorage]]:
         """Drop this object's references to the block's device copies; weak ones remain."""
-        assert block.live is not None  # noqa: S101 (checked by the caller)
         refs = []
-        for fresh in block.live.values():
+        for fresh in (block.live or {}).values():
             storage = fresh.untyped_storage()
             del self._by_storage[storage.data_ptr()]
             refs.append(weakref.ref(storage))
@@ -536,14 +536,11 @@ class WeightPaging:
         if not block.installed:
             self.stats.on_demand += 1
             self._keep_only(block.index - self.prefetch, block.index)
-            self._install(block)
             if _in_backward() and not self._callback_queued:
                 self._callback_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
-        assert block.live is not None  # noqa: S101 (installed)
-        view: torch.Tensor = block.live[packed.name].as_strided(
-            packed.size, packed.stride, packed.offset
-        )
+        live = self._install(block)
+        view: torch.Tensor = live[packed.name].as_strided(packed.size, packed.stride, packed.offset)
         return view
 
     # --- teardown ---------------------------------------------------------------------
