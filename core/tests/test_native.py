@@ -95,3 +95,21 @@ def test_the_disabling_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
         warnings.simplefilter("error")
         assert native.disabled() and native.load() is None
     assert native.load(required=True) is not None  # required ignores the variable
+
+
+def test_replace_gives_a_fresh_library_and_open_checks_a_built_file(tmp_path: Path) -> None:
+    native = library(tmp_path, "sakura_native_test_replace")
+    lib = native.load()
+    assert lib is not None and native.path is not None and native.path.exists()
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("not C++ either")
+    other = native.replace(sources=[broken], fallback="the slow path")
+    assert type(other) is NativeLibrary and other.path is None and other.sources == [broken]
+    with pytest.warns(RuntimeWarning, match="using the slow path"):
+        assert other.load() is None
+    assert native.load() is lib  # the original is untouched
+    # open() loads, checks the ABI of and declares a file built elsewhere.
+    again = native.replace(abi_version=3).open(native.path)
+    assert again.t_sum((ctypes.c_int * 2)(4, 5), 2) == 9
+    with pytest.raises(RuntimeError, match="has ABI 3, this code expects 9"):
+        native.replace(abi_version=9).open(native.path)

@@ -30,6 +30,10 @@ variables, logging and fallback.
   output and warned about once (``RuntimeWarning``); ``load()`` then returns None and the
   package runs its pure-torch path.  ``load(required=True)`` raises instead.
 
+CUDA sources (``.cu``, same plain C ABI) go through the sibling
+:class:`sakura.native_cuda.CudaLibrary`, which runs ``nvcc`` into the same cache root and
+shares this class's loading, ABI check, disabling variable and warned-once fallback.
+
 torch is imported only when a kernel is built: ``import sakura`` stays torch-free.
 """
 
@@ -44,6 +48,7 @@ import threading
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from sakura.env import cache_dir, env_flag
 
@@ -86,6 +91,7 @@ class NativeLibrary:
         declare: sets ``argtypes`` / ``restype`` of the exported functions.
         what: how messages name it (``"host AdamW kernel"``).
         cflags / ldflags: compiler and linker flags.
+        fallback: what the failed-build warning says runs instead.
     """
 
     def __init__(
@@ -100,6 +106,7 @@ class NativeLibrary:
         what: str = "C++ kernel",
         cflags: Sequence[str] = DEFAULT_CFLAGS,
         ldflags: Sequence[str] = DEFAULT_LDFLAGS,
+        fallback: str = "the pure-torch path (same results, slower)",
     ) -> None:
         self.package = package
         self.name = name
@@ -110,22 +117,51 @@ class NativeLibrary:
         self.what = what
         self.cflags = tuple(cflags)
         self.ldflags = tuple(ldflags)
+        self.fallback = fallback
         prefix = _env_prefix(package)
         self.cache_env = f"{prefix}_CACHE"
         self.disable_env = f"{prefix}_NO_KERNEL"
         self.logger = logging.getLogger(f"{package.replace('-', '_')}.kernel")
         self.failure: str | None = None
         """Why the last build failed (``Type: message``), or None."""
+        self.path: Path | None = None
+        """The built library file once loaded, else None."""
         self._lock = threading.Lock()
         self._tried = False
         self._library: ctypes.CDLL | None = None
 
     def __repr__(self) -> str:
-        return f"NativeLibrary({self.package}:{self.name})"
+        return f"{type(self).__name__}({self.package}:{self.name})"
+
+    def _arguments(self) -> dict[str, Any]:
+        return {
+            "package": self.package,
+            "name": self.name,
+            "sources": self.sources,
+            "abi_symbol": self.abi_symbol,
+            "abi_version": self.abi_version,
+            "declare": self.declare,
+            "what": self.what,
+            "cflags": self.cflags,
+            "ldflags": self.ldflags,
+            "fallback": self.fallback,
+        }
+
+    def replace(self, **changes: Any) -> NativeLibrary:
+        """A new, not yet loaded library of the same class with the same arguments except
+        ``changes`` (e.g. other ``sources``): a package's tests use it to try a broken
+        source or a fresh build without touching the shared instance."""
+        return type(self)(**{**self._arguments(), **changes})
 
     def disabled(self) -> bool:
         """True when ``SAKURA_<PACKAGE>_NO_KERNEL`` asks for the pure-torch path."""
         return bool(env_flag(self.disable_env, False))
+
+    def unavailable(self) -> str | None:
+        """Why this library cannot run on this machine at all (then :meth:`load` returns
+        None without building or warning), or None.  Always None for CPU code;
+        :class:`~sakura.native_cuda.CudaLibrary` says so when there is no CUDA device."""
+        return None
 
     def build_directory(self) -> Path:
         """Where the library is built and cached for this CPU, torch and Python."""
@@ -142,6 +178,11 @@ class NativeLibrary:
         disabling variable)."""
         if not required and self.disabled():
             return None
+        missing = self.unavailable()
+        if missing is not None:
+            if required:
+                raise RuntimeError(f"{self.package}: the {self.what} is not available: {missing}")
+            return None
         with self._lock:
             if not self._tried:
                 self._tried = True
@@ -152,8 +193,7 @@ class NativeLibrary:
                     self.logger.exception("%s: building the %s failed", self.package, self.what)
                     warnings.warn(
                         f"{self.package}: the {self.what} could not be built "
-                        f"({type(exc).__name__}: {str(exc)[:300]}); using the pure-torch "
-                        "path (same results, slower)",
+                        f"({type(exc).__name__}: {str(exc)[:300]}); using {self.fallback}",
                         RuntimeWarning,
                         stacklevel=3,
                     )
@@ -166,11 +206,35 @@ class NativeLibrary:
         return library
 
     def _build(self) -> ctypes.CDLL:
-        from torch.utils.cpp_extension import load
-
         directory = self.build_directory()
         directory.mkdir(parents=True, exist_ok=True)
         self.logger.info("%s: building or loading the %s in %s", self.package, self.what, directory)
+        library = self.open(self._compile(directory))
+        self.logger.info("%s: %s ready (%s)", self.package, self.what, self.path)
+        return library
+
+    def open(self, path: str | os.PathLike[str]) -> ctypes.CDLL:
+        """Load a built library file, check its ABI version and declare its functions (an
+        exported function that ``declare`` names but the file lacks raises
+        AttributeError).  :meth:`load` calls it; a test may call it on a file it built."""
+        library = ctypes.CDLL(str(path))
+        abi = getattr(library, self.abi_symbol)
+        abi.restype = ctypes.c_int
+        abi.argtypes = []
+        version = abi()
+        if version != self.abi_version:
+            raise RuntimeError(
+                f"{self.name}: the built library has ABI {version}, this code expects "
+                f"{self.abi_version} (a stale cache? remove {Path(path).parent})"
+            )
+        self.declare(library)
+        self.path = Path(path)
+        return library
+
+    def _compile(self, directory: Path) -> Path:
+        """Build (or find up to date) the shared library in ``directory``; its path."""
+        from torch.utils.cpp_extension import load
+
         path = load(
             name=self.name,
             sources=[str(s) for s in self.sources],
@@ -180,16 +244,4 @@ class NativeLibrary:
             is_python_module=False,
             verbose=False,
         )
-        library = ctypes.CDLL(str(path))
-        abi = getattr(library, self.abi_symbol)
-        abi.restype = ctypes.c_int
-        abi.argtypes = []
-        version = abi()
-        if version != self.abi_version:
-            raise RuntimeError(
-                f"{self.name}: the built library has ABI {version}, this code expects "
-                f"{self.abi_version} (a stale cache? remove {directory})"
-            )
-        self.declare(library)
-        self.logger.info("%s: %s ready (%s)", self.package, self.what, path)
-        return library
+        return Path(str(path))

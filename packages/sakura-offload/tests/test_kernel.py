@@ -16,8 +16,7 @@ from sakura_offload import OffloadAdamW, _kernel
 @pytest.fixture
 def fresh_kernel(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """A kernel loader with nothing loaded yet and its cache in tmp_path."""
-    monkeypatch.setattr(_kernel, "_loaded", {})
-    monkeypatch.setattr(_kernel, "_failure", [])
+    monkeypatch.setattr(_kernel, "LIBRARY", _kernel.LIBRARY.replace())
     monkeypatch.setenv(_kernel.CACHE_ENV, str(tmp_path))
     monkeypatch.delenv(_kernel.NO_KERNEL_ENV, raising=False)
     return tmp_path
@@ -37,7 +36,7 @@ def test_failed_build_warns_and_falls_back(
 ) -> None:
     broken = fresh_kernel / "broken.cpp"
     broken.write_text("this is not C++\n")
-    monkeypatch.setattr(_kernel, "SOURCE", broken)
+    monkeypatch.setattr(_kernel, "LIBRARY", _kernel.LIBRARY.replace(sources=[broken]))
     with pytest.warns(RuntimeWarning, match="could not be built"):
         optimizer = OffloadAdamW([torch.nn.Parameter(torch.zeros(4))])
     assert optimizer.backend.name == "torch"

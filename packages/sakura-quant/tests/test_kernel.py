@@ -9,7 +9,7 @@ from sakura_quant import _kernel
 from sakura_quant.formats.nf4 import _midpoints
 from sakura_quant.weights import dequantize_weight, quantize_weight
 
-if _kernel.kernel_disabled() or _kernel.load_kernel() is None:
+if _kernel.LIBRARY.disabled() or _kernel.LIBRARY.load() is None:
     pytest.skip("the C++ NF4 kernels are not available here", allow_module_level=True)
 
 

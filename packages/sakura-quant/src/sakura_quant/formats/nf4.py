@@ -120,7 +120,7 @@ def _quantize_cpu(weight: torch.Tensor, block_size: int) -> dict[str, torch.Tens
     suffix = _KERNEL_DTYPES.get(weight.dtype)
     if suffix is None or weight.device.type != "cpu" or weight.requires_grad:
         return None
-    lib = _kernel.load_kernel()
+    lib = _kernel.LIBRARY.load()
     if lib is None:
         return None
     x = weight.detach().contiguous()
@@ -147,7 +147,7 @@ def _dequantize_cpu(
     suffix = _KERNEL_DTYPES.get(dtype)
     if suffix is None or data.device.type != "cpu" or scales.dtype != torch.float32:
         return None
-    lib = _kernel.load_kernel()
+    lib = _kernel.LIBRARY.load()
     if lib is None:
         return None
     data = data.contiguous()
