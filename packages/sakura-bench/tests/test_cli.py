@@ -145,7 +145,11 @@ def test_list_json(capsys: pytest.CaptureFixture[str]) -> None:
         "mistral-7b-lora",
         "mnist-mlp",
         "mnist-mlp-multi",
+        "smollm2-qlora",
+        "tiny-llama-qlora",
     ]
+    assert workloads["smollm2-qlora"]["variants"].keys() == {"peft-bnb"}
+    assert workloads["smollm2-qlora"]["frameworks"] == ["hf-trainer", "lightning", "pytorch-ddp"]
     assert workloads["distilbert-sst2-hf"]["frameworks"] == [
         "hf-trainer",
         "lightning",
@@ -190,7 +194,8 @@ RUN = ["run", "--scale", "tiny", "--in-process", "--output"]
          r"unknown framework 'pytorch'\. .*Available frameworks: hf-trainer, lightning, pytorch-ddp"),
         (["--workload", "distilbert-sst2", "--runner", "baseline", "--framework", "hf-trainer"],
          r"--framework hf-trainer cannot run --workload distilbert-sst2: it needs an HF-shaped workload.*"
-         r"Workloads it runs: distilbert-sst2-hf, llama3-1b-finetune, mistral-7b-lora"),
+         r"Workloads it runs: distilbert-sst2-hf, llama3-1b-finetune, mistral-7b-lora, "
+         r"smollm2-qlora, tiny-llama-qlora"),
         (["--workload", "distilbert-glue", "--runner", "baseline", "--framework", "hf-trainer"],
          r"supports --framework pytorch-ddp or lightning only"),
         (["--workload", "mnist-mlp", "--runner", "vanilla", "--framework", "pytorch-ddp"],
@@ -211,6 +216,11 @@ RUN = ["run", "--scale", "tiny", "--in-process", "--output"]
           "--nproc", "2"], r"supported by --framework pytorch-ddp only"),
         (["--workload", "mnist-mlp", "--runner", "baseline", "--framework", "pytorch-ddp",
           "--data", "/nonexistent/mnist"], r"--data '/nonexistent/mnist' is not a directory"),
+        (["--workload", "mnist-mlp", "--runner", "baseline", "--framework", "pytorch-ddp",
+          "--variant", "peft-bnb"],
+         r"--variant 'peft-bnb' is not a variant of workload 'mnist-mlp'; accepted: none"),
+        (["--workload", "tiny-llama-qlora", "--runner", "baseline", "--framework", "pytorch-ddp",
+          "--variant", "bnb"], r"--variant 'bnb' is not a variant .* accepted: peft-bnb"),
     ],
 )  # fmt: skip
 def test_usage_errors_name_what_is_accepted(
@@ -351,3 +361,20 @@ def test_pair_validates_both_sides_before_running(
 def test_run_reports_say_they_ran_sequentially(reports: Path) -> None:
     for path in reports.glob("*.json"):
         assert json.loads(path.read_text())["settings"]["schedule"] == "sequential"
+
+
+def test_pair_with_a_baseline_variant(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``pair --baseline-variant peft-bnb``: the rival (stock PEFT + bitsandbytes) against
+    sakura's quant:nf4 on the same workload; the variant is in the report's file name,
+    its workload description and the comparison's label."""
+    argv = ["pair", "--workload", "tiny-llama-qlora", "--framework", "pytorch-ddp",
+            "--baseline-variant", "peft-bnb", "--service", "quant:nf4", "--scale", "tiny",
+            "--epochs", "1", "--trials", "1", "--in-process", "--output", str(tmp_path)]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "baseline[peft-bnb]" in out
+    a = load_report(tmp_path / "tiny-llama-qlora-baseline-peft-bnb-pytorch-ddp.json")
+    b = load_report(tmp_path / "tiny-llama-qlora-sakura-pytorch-ddp.json")
+    assert a["workload"]["variant"] == "peft-bnb" and b["workload"]["variant"] is None
+    assert a["settings"]["schedule"] == "interleaved: baseline[peft-bnb] | sakura quant:nf4"
+    assert a["summary"]["final_metrics"]["val_ppl"] > 1

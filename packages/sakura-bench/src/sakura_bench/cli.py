@@ -3,8 +3,9 @@
     sakura-bench run --workload W --runner baseline|sakura --framework F [--service SPEC ...]
                      --output DIR [--trials N] [--epochs N] [--seed S] [--threads T]
                      [--scale auto|tiny|small|full] [--data DIR] [--device auto|cpu|cuda]
-                     [--warmup-steps N] [--nproc N] [--in-process] [--quiet]
-    sakura-bench pair --workload W --framework F [--service SPEC ...] --output DIR [...]
+                     [--warmup-steps N] [--nproc N] [--variant NAME] [--in-process] [--quiet]
+    sakura-bench pair --workload W --framework F [--service SPEC ...] --output DIR
+                      [--baseline-variant NAME] [--variant NAME] [...]
                       (the baseline and sakura runs, trials interleaved, then compared)
     sakura-bench compare A.json B.json [--json]
     sakura-bench export reports/*.json [--output DIR]
@@ -86,6 +87,13 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a workload and write a RunReport JSON")
     run.add_argument("--runner", required=True, help="baseline (vanilla loop) or sakura")
     _add_trial_options(run, "for --runner sakura")
+    run.add_argument(
+        "--variant",
+        default=None,
+        metavar="NAME",
+        help="a variant of the workload's model (sakura-bench list), e.g. smollm2-qlora's "
+        "peft-bnb: stock PEFT over a bitsandbytes NF4 base",
+    )
     pair = sub.add_parser(
         "pair",
         help="the baseline and sakura runs with their trials interleaved, then compared",
@@ -94,6 +102,19 @@ def _parser() -> argparse.ArgumentParser:
         "on both sides alike; write both reports and print their comparison.",
     )
     _add_trial_options(pair, "of the sakura side")
+    pair.add_argument(
+        "--baseline-variant",
+        default=None,
+        metavar="NAME",
+        help="the baseline side builds this variant of the workload's model (e.g. "
+        "peft-bnb: stock PEFT + bitsandbytes as the rival of the sakura side)",
+    )
+    pair.add_argument(
+        "--variant",
+        default=None,
+        metavar="NAME",
+        help="the sakura side builds this variant of the workload's model",
+    )
     for sub_parser in (run, pair):
         sub_parser.add_argument(
             "--quiet", action="store_true", help="no progress or summary; print the report path"
@@ -128,7 +149,9 @@ def _console(stderr: bool = False) -> Any:
 # --- run ----------------------------------------------------------------------------------
 
 
-def _trial_config(args: argparse.Namespace, runner: str, services: list[str]) -> Any:
+def _trial_config(
+    args: argparse.Namespace, runner: str, services: list[str], variant: str | None
+) -> Any:
     from sakura_bench.trial import TrialConfig
 
     return TrialConfig(
@@ -143,14 +166,17 @@ def _trial_config(args: argparse.Namespace, runner: str, services: list[str]) ->
         threads=args.threads,
         device=args.device,
         warmup_steps=args.warmup_steps,
+        variant=variant,
     )
 
 
-def _validated(args: argparse.Namespace, runner: str, services: list[str]) -> Any:
+def _validated(
+    args: argparse.Namespace, runner: str, services: list[str], variant: str | None = None
+) -> Any:
     from sakura_bench.runner import RunOptions, validate
 
     options = RunOptions(
-        config=_trial_config(args, runner, services),
+        config=_trial_config(args, runner, services, variant),
         output=Path(args.output),
         trials=args.trials,
         nproc=args.nproc,
@@ -161,7 +187,8 @@ def _validated(args: argparse.Namespace, runner: str, services: list[str]) -> An
 
 def _label(run: Any) -> str:
     c = run.options.config
-    return " · ".join([c.workload, c.runner, c.framework, *c.services])
+    runner = c.runner + (f"[{c.variant}]" if c.variant else "")
+    return " · ".join([c.workload, runner, c.framework, *c.services])
 
 
 @contextlib.contextmanager
@@ -222,7 +249,7 @@ def _trial_progress(
 def _cmd_run(args: argparse.Namespace) -> int:
     from sakura_bench.runner import execute
 
-    run = _validated(args, args.runner, list(args.service))
+    run = _validated(args, args.runner, list(args.service), args.variant)
     if args.quiet:
         path, _ = execute(run)
         print(path)
@@ -250,8 +277,8 @@ def _cmd_pair(args: argparse.Namespace) -> int:
     from sakura_bench.runner import execute_interleaved
 
     runs = [
-        _validated(args, "baseline", []),
-        _validated(args, "sakura", list(args.service)),
+        _validated(args, "baseline", [], args.baseline_variant),
+        _validated(args, "sakura", list(args.service), args.variant),
     ]
     if args.quiet:
         for path, _ in execute_interleaved(runs):
@@ -283,7 +310,9 @@ def _print_run_summary(report: dict[str, Any], path: Path) -> None:
 
     s = report["summary"]
     table = Table(
-        title=f"{report['workload']['name']} · {report['runner']} · {report['framework']}"
+        title=f"{report['workload']['name']} · {report['runner']}"
+        + (f"[{report['workload']['variant']}]" if report["workload"].get("variant") else "")
+        + f" · {report['framework']}"
     )
     table.add_column("quantity")
     table.add_column("median (min–max) over trials")
@@ -420,6 +449,7 @@ def listing() -> dict[str, Any]:
         item["scales"] = list(cls.configs)
         item["gpu_scales"] = list(cls.gpu_scales)
         item["default_epochs"] = cls.default_epochs
+        item["variants"] = dict(cls.variants)
         workloads.append(item)
     manager = get_plugin_manager()
     services = [
@@ -462,10 +492,13 @@ def _cmd_list(args: argparse.Namespace) -> int:
             )
             continue
         scales = ", ".join(s + ("*" if s in w["gpu_scales"] else "") for s in w["scales"])
+        description = w["description"] + "".join(
+            f"; --variant {name}: {text}" for name, text in w["variants"].items()
+        )
         table.add_row(
             *map(escape, (w["name"], ", ".join(w["frameworks"]), scales)),
             escape(w["provided_by"]),
-            escape(w["description"]),
+            escape(description),
         )
     console.print(table)
     console.print("* needs a CUDA GPU")

@@ -27,8 +27,11 @@ QUANTITIES = (
 
 
 def label(report: Mapping[str, Any]) -> str:
-    """``mnist-mlp-multi · sakura · pytorch-ddp · async_eval:process``."""
-    parts = [report["workload"]["name"], report["runner"], report["framework"]]
+    """``mnist-mlp-multi · sakura · pytorch-ddp · async_eval:process``; a workload variant
+    follows the runner: ``smollm2-qlora · baseline[peft-bnb] · hf-trainer``."""
+    variant = report["workload"].get("variant")
+    runner = report["runner"] + (f"[{variant}]" if variant else "")
+    parts = [report["workload"]["name"], runner, report["framework"]]
     if report.get("services"):
         parts.append(" ".join(report["services"]))
     return " · ".join(parts)
@@ -36,7 +39,8 @@ def label(report: Mapping[str, Any]) -> str:
 
 def _comparability(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str]:
     notes = []
-    for key in ("name", "scale", "data", "seed", "epochs", "batch_size", "samples_per_epoch"):
+    keys = ("name", "scale", "data", "seed", "epochs", "batch_size", "samples_per_epoch", "config")
+    for key in keys:
         if a["workload"].get(key) != b["workload"].get(key):
             notes.append(
                 f"different workload {key}: {a['workload'].get(key)!r} vs {b['workload'].get(key)!r}"

@@ -39,6 +39,8 @@ class EvalPayload:
     """The training thread's torch thread count: evaluations use the same (a thread that
     torch did not start would otherwise use its default, one per core)."""
     pid: int
+    variant: str | None = None
+    """The workload's ``--variant`` (None: its default model)."""
 
 
 _CACHE: dict[EvalPayload, tuple[Any, Any, Any]] = {}
@@ -58,8 +60,13 @@ def _build(payload: EvalPayload) -> tuple[Any, Any, Any]:
     from sakura_bench.registry import get_registry
 
     cls = get_registry().workload(payload.workload)
+    variant = {"variant": payload.variant} if payload.variant is not None else {}
     workload = cls(
-        payload.scale, data_dir=payload.data_dir, seed=payload.seed, name=payload.workload
+        payload.scale,
+        data_dir=payload.data_dir,
+        seed=payload.seed,
+        name=payload.workload,
+        **variant,
     )
     device = torch.device(payload.device)
     workload.device = device

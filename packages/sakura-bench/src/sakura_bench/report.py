@@ -67,7 +67,11 @@ _REQUIRED = (
 )
 
 
-def report_filename(workload: str, runner: str, framework: str) -> str:
+def report_filename(workload: str, runner: str, framework: str, variant: str | None = None) -> str:
+    """``<workload>-<runner>-<framework>.json``; with a workload variant
+    ``<workload>-<runner>-<variant>-<framework>.json``."""
+    if variant:
+        return f"{workload}-{runner}-{variant}-{framework}.json"
     return f"{workload}-{runner}-{framework}.json"
 
 

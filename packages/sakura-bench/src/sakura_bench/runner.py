@@ -100,7 +100,8 @@ def validate(options: RunOptions) -> ValidatedRun:
     if options.nproc > 1 and options.in_process:
         raise BenchError("--in-process runs one rank; it cannot be combined with --nproc > 1")
     device = resolve_device(c.device)
-    probe = workload_cls(c.scale, data_dir=c.data_dir, seed=c.seed, name=c.workload)
+    variant = {"variant": c.variant} if c.variant is not None else {}
+    probe = workload_cls(c.scale, data_dir=c.data_dir, seed=c.seed, name=c.workload, **variant)
     probe.check_device(device)
     check_service_specs(c.services)
     epochs = c.epochs if c.epochs is not None else workload_cls.default_epochs
@@ -227,7 +228,9 @@ def _run_one(run: ValidatedRun, i: int, on_progress: Progress | None) -> dict[st
 
     options = run.options
     c = options.config
-    artifacts = options.output / Path(report_filename(c.workload, c.runner, c.framework)).stem
+    artifacts = (
+        options.output / Path(report_filename(c.workload, c.runner, c.framework, c.variant)).stem
+    )
     config = replace(c, trial=i, output_dir=str(artifacts.resolve() / f"trial-{i}"))
     if options.in_process:
         started = time.perf_counter()
@@ -256,6 +259,7 @@ def _write(
         "isolation": "in-process" if options.in_process else "process per trial",
         "nproc": options.nproc,
         "schedule": schedule,
+        "variant": c.variant,
     }
     report = build_report(
         workload=c.workload,
@@ -266,7 +270,8 @@ def _write(
         trials=results,
         provided_by=run.provided_by,
     )
-    path = write_report(report, options.output / report_filename(c.workload, c.runner, c.framework))
+    name = report_filename(c.workload, c.runner, c.framework, c.variant)
+    path = write_report(report, options.output / name)
     return path, report
 
 
@@ -316,6 +321,13 @@ def execute_interleaved(
             if on_trial_end is not None:
                 on_trial_end(k, i, result)
     schedule = "interleaved: " + " | ".join(
-        " ".join([r.options.config.runner, *r.options.config.services]) for r in runs
+        " ".join(
+            [
+                r.options.config.runner
+                + (f"[{r.options.config.variant}]" if r.options.config.variant else ""),
+                *r.options.config.services,
+            ]
+        )
+        for r in runs
     )
     return [_write(run, rs, schedule) for run, rs in zip(runs, results, strict=True)]

@@ -42,6 +42,8 @@ class TrialConfig:
     threads: int | None = None
     device: str = "auto"
     warmup_steps: int = 5
+    variant: str | None = None
+    """The workload's ``--variant`` (None: its default model)."""
     trial: int = 0
     # Where this trial's services write files (checkpoints ...): set per trial by the runner
     # to ``<output>/<report name>/trial-<i>``, never the current directory.
@@ -153,8 +155,13 @@ def run_trial(
     check_compatible(config.workload, workload_cls, config.framework, framework)
     epochs = config.epochs if config.epochs is not None else workload_cls.default_epochs
     with _distributed(config.device) as (rank, world_size, device):
+        variant = {"variant": config.variant} if config.variant is not None else {}
         workload = workload_cls(
-            config.scale, data_dir=config.data_dir, seed=config.seed, name=config.workload
+            config.scale,
+            data_dir=config.data_dir,
+            seed=config.seed,
+            name=config.workload,
+            **variant,
         )
         workload.device = device
         workload.check_device(device)
@@ -247,6 +254,7 @@ def _run_sakura(
         device=str(ctx.device),
         threads=torch.get_num_threads(),
         pid=os.getpid(),
+        variant=config.variant,
     )
     built = build_services(
         [*config.services, *extra_services], workload=ctx.workload, payload=payload

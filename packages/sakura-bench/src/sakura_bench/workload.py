@@ -77,6 +77,10 @@ class Workload:
     """Scale name -> why it needs a CUDA GPU (shown when none is available)."""
     grad_clip: ClassVar[float | None] = None
     """Clip gradients to this global norm every step (None: no clipping)."""
+    variants: ClassVar[Mapping[str, str]] = {}
+    """Variant name -> description: other ways this workload can build its model for a
+    rival to run against (``--variant``; e.g. the QLoRA workloads' ``peft-bnb``, a
+    bitsandbytes base).  Same data, steps and seed; ``variant`` says which one is built."""
 
     def __init__(
         self,
@@ -85,7 +89,14 @@ class Workload:
         data_dir: str | None = None,
         seed: int = 0,
         name: str | None = None,
+        variant: str | None = None,
     ) -> None:
+        if variant is not None and variant not in self.variants:
+            accepted = ", ".join(self.variants) if self.variants else "none (it has no variants)"
+            raise BenchError(
+                f"--variant {variant!r} is not a variant of workload "
+                f"{name or type(self).__name__!r}; accepted: {accepted}"
+            )
         if scale not in self.configs:
             raise BenchError(
                 f"--scale {scale!r} is not a scale of workload {name or type(self).__name__!r}; "
@@ -97,6 +108,7 @@ class Workload:
         self.scale = scale
         self.data_dir = data_dir
         self.seed = seed
+        self.variant = variant
         self.config: dict[str, Any] = dict(self.configs[scale])
         self.device = torch.device("cpu")
         """Where the model will train (set by the harness before :meth:`make_model`, so a
@@ -262,6 +274,7 @@ class Workload:
             "scale": self.scale,
             "data": self.data_dir or "synthetic",
             "seed": self.seed,
+            "variant": self.variant,
             "config": {k: v for k, v in self.config.items() if _jsonable(v)},
         }
 

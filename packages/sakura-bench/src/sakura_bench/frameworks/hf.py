@@ -1,6 +1,6 @@
 """``hf-trainer``: a vanilla ``transformers.Trainer`` on an HF-shaped workload, and the same
 Trainer with sakura's ``HFAdapter`` (``SakuraTrainer`` when a service owns part of the
-step: loss scaling, unscaling, the optimizer step).
+step: loss scaling, unscaling, the optimizer step, or wraps the optimizer).
 
 Both use the same arguments: the workload's optimizer with a constant learning rate, its
 batch sizes and gradient clipping, evaluation every epoch (``eval_strategy="epoch"``), the
@@ -91,9 +91,12 @@ class HFTrainerFramework(Framework):
             from sakura_adapters.hf import HFAdapter, SakuraTrainer
 
             callbacks.append(HFAdapter(ctx.runtime))
+            # A service that owns part of the step, or that replaces the optimizer
+            # (offload_adamw's wrap_optimizer returns a new one, which a callback cannot
+            # hand the stock Trainer), needs SakuraTrainer.
             if any(
                 ctx.runtime.implements(call)
-                for call in ("wrap_loss", "unscale_gradients", "optimizer_step")
+                for call in ("wrap_loss", "unscale_gradients", "optimizer_step", "wrap_optimizer")
             ):
                 trainer_cls = SakuraTrainer
                 kwargs["runtime"] = ctx.runtime
