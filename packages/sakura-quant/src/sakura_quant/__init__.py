@@ -2,7 +2,8 @@
 
 Frozen ``nn.Linear`` weights stored as NF4 (bit-identical to bitsandbytes), int8, FP8 or
 NVFP4, with optional double quantization of the block scales; layers that stock PEFT LoRA
-adapts; the ``quant`` service (``quant:nf4``) for ``rt.prepare``.
+adapts; the ``quant`` service (``quant:nf4``) for ``rt.prepare``; ``SakuraQuantConfig`` for
+transformers' ``from_pretrained(..., quantization_config=...)``.
 """
 
 from __future__ import annotations
@@ -10,8 +11,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from sakura_quant import _hf_hook
+
 if TYPE_CHECKING:
     from sakura_quant.formats import QuantizedWeight
+    from sakura_quant.hf import SakuraQuantConfig
     from sakura_quant.linear import QuantizedLinear
     from sakura_quant.loading import load_model
     from sakura_quant.loftq import init_lora_from_error
@@ -25,6 +29,7 @@ _EXPORTS = {
     "QuantizedBase": "sakura_quant.service",
     "QuantizedLinear": "sakura_quant.linear",
     "QuantizedWeight": "sakura_quant.formats",
+    "SakuraQuantConfig": "sakura_quant.hf",
     "init_lora_from_error": "sakura_quant.loftq",
     "load_model": "sakura_quant.loading",
     "quantize_model": "sakura_quant.quantize",
@@ -36,6 +41,7 @@ __all__ = [
     "QuantizedBase",
     "QuantizedLinear",
     "QuantizedWeight",
+    "SakuraQuantConfig",
     "dequantize_weight",
     "init_lora_from_error",
     "load_model",
@@ -43,6 +49,10 @@ __all__ = [
     "quantize_weight",
 ]
 __version__ = "0.1.0"
+
+# transformers' quantizer registry learns quant_method "sakura_quant" when it is imported
+# (at once if it already is); transformers itself is not imported here.
+_hf_hook.install()
 
 
 def __getattr__(name: str) -> Any:

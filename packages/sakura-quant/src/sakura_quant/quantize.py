@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -179,23 +180,9 @@ def quantize_model(
         parent = model.get_submodule(parent_name) if parent_name else model
         weight = module.weight
         qweight = chosen.get(name)
-        factors = None
-        if rank:
-            # LoftQ in the format chosen for this weight (keep_precise may have picked the
-            # more precise one); the plain quantization made while choosing is replaced.
-            spec = (fmt, size, dq) if qweight is None else _spec(qweight)
-            qweight, error_a, error_b = quantize_with_error_fit(
-                weight.detach(),
-                spec[0],
-                block_size=spec[1],
-                double_quant=spec[2],
-                rank=rank,
-                iters=iters,
-            )
-            factors = (error_a, error_b)
-        elif qweight is None:
-            qweight = quantize_weight(weight.detach(), fmt, block_size=size, double_quant=dq)
-        quantized = QuantizedLinear(qweight, module.bias, error_factors=factors, error_iters=iters)
+        spec = (fmt, size, dq) if qweight is None else weight_spec(qweight)
+        quantized = build_layer(weight.detach(), spec, rank, iters, qweight=qweight)
+        quantized.bias = module.bias
         setattr(parent, attr, quantized)
         stats["tensors"] += 1
         stats["kept_precise"] += name in chosen
@@ -205,12 +192,71 @@ def quantize_model(
     return stats
 
 
-def _spec(qweight: QuantizedWeight) -> tuple[str, int, bool]:
+Spec = tuple[str, int | None, bool]
+"""(format, block size, double_quant) of one weight."""
+
+
+def build_layer(
+    weight: torch.Tensor,
+    spec: Spec,
+    rank: int,
+    iters: int,
+    *,
+    qweight: QuantizedWeight | None = None,
+) -> QuantizedLinear:
+    """A bias-less :class:`QuantizedLinear` storing ``weight`` as ``spec`` says: with a LoftQ
+    fit when ``rank`` is set (a plain ``qweight`` made earlier is then replaced), else
+    ``qweight`` when given (it must be ``weight`` quantized so), else quantized now."""
+    factors = None
+    if rank:
+        qweight, error_a, error_b = quantize_with_error_fit(
+            weight, spec[0], block_size=spec[1], double_quant=spec[2], rank=rank, iters=iters
+        )
+        factors = (error_a, error_b)
+    elif qweight is None:
+        qweight = quantize_weight(weight, spec[0], block_size=spec[1], double_quant=spec[2])
+    return QuantizedLinear(qweight, None, error_factors=factors, error_iters=iters)
+
+
+def precise_spec(fmt: str, size: int, dq: bool) -> Spec:
+    """How ``keep_precise`` stores a weight of format ``fmt``: one step more precise (nf4 ->
+    int8 with the same block size and double quantization, nvfp4 -> fp8)."""
+    precise = PRECISE_FORMAT[fmt]
+    return precise, size if precise == "int8" else None, dq and precise in ("int8", "nf4")
+
+
+def select_precise(
+    measured: list[tuple[float, str, int]],
+    share: float,
+    precise: Callable[[str], QuantizedWeight],
+) -> dict[str, QuantizedWeight]:
+    """The weights ``keep_precise`` stores more precisely, by name.
+
+    ``measured`` holds ``(relative error, name, bytes in the format)`` in model order;
+    ``precise(name)`` is that weight in the more precise format. Most-hurt first, a weight is
+    taken while its extra bytes fit in ``share`` of the bytes of all of them; only the
+    taken ones are kept."""
+    budget = 0.0
+    for _, _, base_bytes in measured:
+        budget += share * base_bytes
+    chosen: dict[str, QuantizedWeight] = {}
+    spent = 0.0
+    for _, name, base_bytes in sorted(measured, key=lambda m: -m[0]):
+        better = precise(name)
+        extra = better.nbytes - base_bytes
+        if spent + extra > budget:
+            continue
+        spent += extra
+        chosen[name] = better
+    return chosen
+
+
+def weight_spec(qweight: QuantizedWeight) -> Spec:
     """(format, block size, double_quant) a weight was quantized with."""
     return qweight.format, qweight.block_size, "scales_offset" in qweight.tensors
 
 
-def _relative_error(weight: torch.Tensor, qweight: QuantizedWeight) -> float:
+def relative_error(weight: torch.Tensor, qweight: QuantizedWeight) -> float:
     w = weight.detach().float()
     err = (dequantize_weight(qweight, torch.float32) - w).norm() / w.norm().clamp(min=1e-30)
     return float(err)
@@ -220,26 +266,15 @@ def _choose_precise(
     found: list[tuple[str, nn.Linear]], fmt: str, size: int, dq: bool, share: float
 ) -> dict[str, QuantizedWeight]:
     """The weights ``keep_precise`` stores in the more precise format, quantized so."""
-    precise = PRECISE_FORMAT[fmt]
-    precise_dq = dq and precise in ("int8", "nf4")
+    spec = precise_spec(fmt, size, dq)
+    modules = dict(found)
     measured = []
-    budget = 0.0
     for name, module in found:
         base = quantize_weight(module.weight.detach(), fmt, block_size=size, double_quant=dq)
-        budget += share * base.nbytes
-        measured.append((_relative_error(module.weight, base), name, module, base.nbytes))
-    chosen: dict[str, QuantizedWeight] = {}
-    spent = 0.0
-    for _, name, module, base_bytes in sorted(measured, key=lambda m: -m[0]):
-        better = quantize_weight(
-            module.weight.detach(),
-            precise,
-            block_size=size if precise == "int8" else None,
-            double_quant=precise_dq,
-        )
-        extra = better.nbytes - base_bytes
-        if spent + extra > budget:
-            continue
-        spent += extra
-        chosen[name] = better
-    return chosen
+        measured.append((relative_error(module.weight, base), name, base.nbytes))
+
+    def precise(name: str) -> QuantizedWeight:
+        weight = modules[name].weight.detach()
+        return quantize_weight(weight, spec[0], block_size=spec[1], double_quant=spec[2])
+
+    return select_precise(measured, share, precise)
