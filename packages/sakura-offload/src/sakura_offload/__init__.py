@@ -12,6 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from sakura_offload.loss import causal_lm_loss, chunked_causal_lm_loss
+    from sakura_offload.memory_planner import (
+        MemoryBudgetError,
+        MemoryPlan,
+        MemoryPlanner,
+        MemoryPlanService,
+        plan_memory,
+    )
     from sakura_offload.optimizer import OffloadAdamW
     from sakura_offload.service import OffloadAdamWService
     from sakura_offload.weights import WeightPaging, WeightPagingStats, frozen_block_bytes
@@ -26,9 +33,18 @@ _EXPORTS = {
     "WeightPaging": "sakura_offload.weights",
     "WeightPagingStats": "sakura_offload.weights",
     "frozen_block_bytes": "sakura_offload.weights",
+    "MemoryBudgetError": "sakura_offload.memory_planner",
+    "MemoryPlan": "sakura_offload.memory_planner",
+    "MemoryPlanner": "sakura_offload.memory_planner",
+    "MemoryPlanService": "sakura_offload.memory_planner",
+    "plan_memory": "sakura_offload.memory_planner",
 }
 
 __all__ = [
+    "MemoryBudgetError",
+    "MemoryPlan",
+    "MemoryPlanService",
+    "MemoryPlanner",
     "OffloadAdamW",
     "OffloadAdamWService",
     "WeightPaging",
@@ -36,6 +52,7 @@ __all__ = [
     "causal_lm_loss",
     "chunked_causal_lm_loss",
     "frozen_block_bytes",
+    "plan_memory",
 ]
 __version__ = "0.1.0"
 

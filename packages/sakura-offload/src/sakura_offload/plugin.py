@@ -1,4 +1,4 @@
-"""sakura-offload's plugin module (entry point ``sakura``): registers the service lazily, so
+"""sakura-offload's plugin module (entry point ``sakura``): registers the services lazily, so
 listing plugins never imports torch."""
 
 from __future__ import annotations
@@ -12,4 +12,9 @@ def sakura_register_services(register: Register) -> None:
         "offload_adamw",
         "sakura_offload.service:OffloadAdamWService",
         description="AdamW with moments and fp32 master weights in host RAM (C++ kernel)",
+    )
+    register(
+        "memory_plan",
+        "sakura_offload.memory_planner:MemoryPlanService",
+        description="per block keep / page / recompute of saved activations to fit a memory budget",
     )
