@@ -96,6 +96,25 @@ def test_from_pretrained_equals_quantize_model_and_reloads(
         assert torch.equal(reloaded(ids).logits, logits)
 
 
+def test_nf4_equals_bitsandbytes_through_from_pretrained(tmp_path: Path) -> None:
+    pytest.importorskip("bitsandbytes")
+    _tiny_llama().save_pretrained(tmp_path / "fp")
+    ours = _load(tmp_path / "fp", quantization_config=SakuraQuantConfig("nf4"))
+    bnb_config = transformers.BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
+    )
+    theirs = _load(tmp_path / "fp", quantization_config=bnb_config, device_map="cpu")
+    layers = [(n, m) for n, m in ours.named_modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) == 14
+    for name, layer in layers:
+        weight = theirs.get_submodule(name).weight
+        assert torch.equal(weight.data.view(-1), layer.weight), name
+        assert torch.equal(weight.quant_state.absmax, layer.weight_scales), name
+    ids = torch.randint(0, 64, (2, 10))
+    with torch.no_grad():
+        assert torch.equal(ours(ids).logits, theirs(ids).logits)
+
+
 def test_tied_head_bf16_and_targets(tmp_path: Path) -> None:
     _tiny_llama(tie=True).save_pretrained(tmp_path / "fp")
     # skip=[] would quantize lm_head, but it shares the embedding's weight: it is left alone.
@@ -150,6 +169,21 @@ def test_config_round_trip_and_bad_options() -> None:
             ).removeprefix("quantize_model")
     with pytest.raises(OptionError, match="block_size=3"):
         SakuraQuantConfig.from_dict({**data, "block_size": 3})
+
+
+def test_dequantize_gives_plain_linears(tmp_path: Path) -> None:
+    _tiny_llama().save_pretrained(tmp_path / "fp")
+    model = _load(tmp_path / "fp", quantization_config=SakuraQuantConfig("int8"))
+    ids = torch.randint(0, 64, (2, 10))
+    with torch.no_grad():
+        quantized = model(ids).logits
+        model = model.dequantize()
+        assert torch.equal(model(ids).logits, quantized)
+    assert not any(isinstance(m, QuantizedLinear) for m in model.modules())
+    assert not hasattr(model.config, "quantization_config")
+    assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.float32
+    model.save_pretrained(tmp_path / "plain")
+    assert "quantization_config" not in json.loads((tmp_path / "plain" / "config.json").read_text())
 
 
 def test_checkpoint_without_layout_is_refused(tmp_path: Path) -> None:

@@ -166,6 +166,25 @@ class SakuraHfQuantizer(HfQuantizer):
             self._candidates.clear()
         return model
 
+    def _dequantize(self, model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+        """``model.dequantize()``: every ``QuantizedLinear`` becomes an ``nn.Linear`` holding its
+        expanded weight (in ``dtype``, default the dtype it was quantized from), so the model
+        computes what it computed quantized. LoftQ factors are dropped (they belong to
+        adapters)."""
+        for name, layer in list(model.named_modules()):
+            if isinstance(layer, QuantizedLinear):
+                weight = layer.dequantize(dtype)
+                linear = nn.Linear(
+                    layer.in_features,
+                    layer.out_features,
+                    bias=layer.bias is not None,
+                    device="meta",
+                )
+                linear.weight = nn.Parameter(weight)
+                linear.bias = layer.bias
+                _replace(model, name, linear)
+        return model
+
     def get_state_dict_and_metadata(self, model: nn.Module) -> tuple[None, dict[str, str]]:
         """The state dict as it is (the stored tensors) and the layout in the header."""
         return None, layout_metadata(model)
