@@ -79,7 +79,10 @@ def test_compiles_with_nvcc_and_checks_the_abi(tmp_path: Path) -> None:
         native.replace(abi_version=6).open(path)
     # An edited source gets a new file name (the sources' hash).
     (tmp_path / "scale.cu").write_text(SOURCE + "\n// edited\n")
-    assert native.compile(tmp_path / "build") != path
+    edited = native.compile(tmp_path / "build")
+    assert edited != path
+    (tmp_path / "scale.h").write_text("// a header beside the source counts too\n")
+    assert native.compile(tmp_path / "build") not in (path, edited)
 
 
 @needs_nvcc

@@ -29,15 +29,16 @@ exports checked) on a machine without a GPU, and it builds in seconds.
 * The code is compiled for the current device's architecture (``sm_XY`` from
   ``torch.cuda.get_device_capability()``, plus its PTX), or for ``arch`` when given.
 * The build folder is keyed by torch's and Python's versions, nvcc's version, the
-  architecture and the flags; the file name carries a hash of the sources, so an edited
-  source is rebuilt.  ``nvcc`` writes under a temporary name that is then renamed, so a
+  architecture and the flags; the file name carries a hash of the sources and of the
+  headers beside them, so an edited source or header is rebuilt.  ``nvcc`` writes under a temporary name that is then renamed, so a
   concurrent build never leaves a half-written library.
 * The runtime is linked statically (nvcc's default): the library needs no ``libcudart`` of
   its own version at run time, only a driver recent enough for this nvcc.  ``probe_symbol``
   (an exported ``int fn(void)`` returning a ``cudaError_t``) is called after loading, so an
   old driver is a warned-once fallback rather than a failure at the first launch.
-* Default flags are ``-O3 -std=c++17 --fmad=false``: no fused multiply-adds, so the device
-  rounds every operation as the CPU and torch paths do.
+* Default flags are ``-O3 -std=c++17 --fmad=false -Xcompiler -ffp-contract=off``: no
+  fused multiply-adds in device or host code, so every operation rounds as the CPU and
+  torch paths do.
 """
 
 from __future__ import annotations
@@ -57,7 +58,9 @@ from sakura.native import NativeLibrary
 
 __all__ = ["DEFAULT_NVCC_FLAGS", "CudaLibrary", "compile_cuda", "find_nvcc", "nvcc_version"]
 
-DEFAULT_NVCC_FLAGS = ("-O3", "-std=c++17", "--fmad=false")
+HEADERS = (".h", ".cuh", ".hpp")
+
+DEFAULT_NVCC_FLAGS = ("-O3", "-std=c++17", "--fmad=false", "-Xcompiler", "-ffp-contract=off")
 
 
 def find_nvcc() -> str | None:
@@ -202,6 +205,10 @@ class CudaLibrary(NativeLibrary):
         digest = hashlib.sha256()
         for source in self.sources:
             digest.update(source.read_bytes())
+        # The headers beside the sources (a quoted #include finds them there) count too.
+        folders = sorted({source.parent for source in self.sources})
+        for header in sorted(h for d in folders for e in HEADERS for h in d.glob(f"*{e}")):
+            digest.update(header.name.encode() + header.read_bytes())
         digest.update(" ".join(self.cflags + self.ldflags + (self.arch or "",)).encode())
         output = directory / f"{self.name}-{digest.hexdigest()[:12]}.so"
         if output.exists():

@@ -226,7 +226,7 @@ def test_state_dict_carries_masters_and_fp32_moments() -> None:
         ("accumulation_steps", 0),
         ("accumulation_steps", True),
         ("eager", "yes"),
-        ("backend", "cuda"),
+        ("backend", "gpu"),
         ("seed", -1),
         ("lr", -1.0),
         ("betas", (0.9,)),

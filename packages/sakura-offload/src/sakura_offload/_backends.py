@@ -1,12 +1,16 @@
-"""The two implementations of one AdamW update: the C++ kernel and pure torch.
+"""The implementations of one AdamW update: the C++ kernel and pure torch on the host, and
+the CUDA kernel.
 
-Both take flat, contiguous float32 host tensors for the weights and gradients and the
-moment storage of one of the three formats (:mod:`sakura_offload._formats`), and update
-them in place with the same operations in the same order.
+The host ones take flat, contiguous float32 host tensors for the weights and gradients and
+the moment storage of one of the three formats (:mod:`sakura_offload._formats`), and update
+them in place with the same operations in the same order.  :class:`CudaBackend` does the
+same on a CUDA device; each tensor it is given is either on the device or in page-locked
+host RAM, which the kernel reads and writes in place (zero-copy).
 """
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -15,7 +19,7 @@ import torch
 from sakura_offload import _formats as fmt
 from sakura_offload._kernel import Kernel
 
-__all__ = ["Backend", "Hyper", "KernelBackend", "TorchBackend"]
+__all__ = ["Backend", "CudaBackend", "Hyper", "KernelBackend", "TorchBackend"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,3 +188,57 @@ class TorchBackend:
         codes, absmax = fmt.quantize_blocks(root, signed=False, bits=bits)
         s_codes.copy_(codes)
         s_absmax.copy_(absmax)
+
+
+class CudaBackend:
+    """Calls the CUDA kernel (``csrc/adamw_cuda.cu``) on the current stream of the
+    gradient's device; ``host`` updates the parameters that are not on a CUDA device.
+    Untested on a GPU so far (see the README).
+
+    ``emulate=True`` calls the library's ``*_emulate`` exports instead: the same element
+    arithmetic, run sequentially on host memory, so a machine without a GPU tests this
+    class and the kernel's arithmetic."""
+
+    name = "cuda"
+
+    def __init__(self, library: ctypes.CDLL, host: Backend, *, emulate: bool = False) -> None:
+        self.library = library
+        self.host = host
+        self.emulate = emulate
+
+    def _launch(self, name: str, device: torch.device, *args: object) -> None:
+        if self.emulate:
+            getattr(self.library, f"sakura_adamw_{name}_emulate")(*args)
+            return
+        with torch.cuda.device(device):
+            stream = torch.cuda.current_stream(device).cuda_stream
+            status = getattr(self.library, f"sakura_adamw_{name}_cuda")(*args, stream)
+        if status != 0:
+            raise RuntimeError(
+                f"sakura-offload: the CUDA AdamW kernel failed to launch (cudaError {status})"
+            )
+
+    def fp32(
+        self, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: Hyper
+    ) -> None:
+        ptrs = (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr())
+        self._launch("fp32", g.device, *ptrs, p.numel(), *h.floats())
+
+    def bf16(
+        self, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: Hyper
+    ) -> None:
+        ptrs = (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr())
+        self._launch("bf16", g.device, *ptrs, p.numel(), *h.floats(), h.key)
+
+    def int8(
+        self,
+        p: torch.Tensor,
+        g: torch.Tensor,
+        m_codes: torch.Tensor,
+        m_absmax: torch.Tensor,
+        s_codes: torch.Tensor,
+        s_absmax: torch.Tensor,
+        h: Hyper,
+    ) -> None:
+        ptrs = (t.data_ptr() for t in (p, g, m_codes, m_absmax, s_codes, s_absmax))
+        self._launch("int8", g.device, *ptrs, p.numel(), *h.floats(), h.key)

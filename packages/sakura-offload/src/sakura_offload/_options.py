@@ -31,7 +31,7 @@ MOMENT_DTYPES: dict[Any, str] = {
 }
 """Accepted ``moment_dtype`` values -> the format's canonical name."""
 
-BACKENDS = ("auto", "cpp", "torch")
+BACKENDS = ("auto", "cpp", "torch", "cuda")
 
 
 def check_moment_dtype(value: Any, *, owner: str = OWNER) -> str:

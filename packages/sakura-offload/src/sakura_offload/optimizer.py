@@ -4,7 +4,9 @@ The update of every tensor runs on the host, in the C++ kernel (:mod:`sakura_off
 or, when that cannot be built, in pure torch (:mod:`sakura_offload._backends`).  Parameters
 that are not contiguous fp32 CPU tensors (bf16/fp16 weights, weights on an accelerator) get
 an fp32 master copy in host RAM: the update runs on the master and the result is copied
-back, rounded to the parameter's dtype.
+back, rounded to the parameter's dtype.  With ``backend="cuda"`` the update of a parameter
+on a CUDA device runs there instead, in the CUDA kernel, which reads and writes the moments
+and master weights where they are, in page-locked host RAM.
 
 Every parameter carries a post-accumulate-grad hook that counts backward passes: more than
 ``accumulation_steps`` of them before ``step()`` / ``zero_grad()`` raise, and with
@@ -14,6 +16,7 @@ step has landed, during backward.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -22,8 +25,8 @@ from typing import Any, cast
 import torch
 
 from sakura_offload import _formats as fmt
-from sakura_offload._backends import Backend, Hyper, KernelBackend, TorchBackend
-from sakura_offload._kernel import load_kernel
+from sakura_offload._backends import Backend, CudaBackend, Hyper, KernelBackend, TorchBackend
+from sakura_offload._kernel import load_cuda_kernel, load_kernel
 from sakura_offload._options import check_group, check_optimizer_options
 
 __all__ = ["OffloadAdamW", "resolve_backend"]
@@ -36,9 +39,13 @@ _IMPORT_STREAM = 0x5EED5EED  # distinguishes the rounding stream of a state impo
 def resolve_backend(name: str) -> Backend:
     """``"cpp"``: the C++ kernel (raises when it cannot be built); ``"torch"``: pure
     torch; ``"auto"``: the kernel when it builds (and ``SAKURA_OFFLOAD_NO_KERNEL`` is not
-    set), else pure torch."""
+    set), else pure torch; ``"cuda"``: the CUDA kernel for parameters on a CUDA device
+    (raises when it cannot be loaded), ``"auto"`` for the others."""
     if name == "torch":
         return TorchBackend()
+    if name == "cuda":
+        library = cast(ctypes.CDLL, load_cuda_kernel(required=True))  # required: never None
+        return CudaBackend(library, resolve_backend("auto"))
     kernel = load_kernel(required=name == "cpp")
     return KernelBackend(kernel) if kernel is not None else TorchBackend()
 
@@ -46,6 +53,14 @@ def resolve_backend(name: str) -> Backend:
 def _is_direct(p: torch.Tensor) -> bool:
     """True when the update can run on the parameter itself (no master copy)."""
     return p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous()
+
+
+def _pinned(state: dict[str, Any]) -> None:
+    """Page-lock the state's host tensors in place (the CUDA kernel reads and writes them
+    through their host addresses); a state loaded from a state dict is pageable."""
+    for key, value in state.items():
+        if key != "step" and isinstance(value, torch.Tensor) and not value.is_pinned():
+            state[key] = value.pin_memory()
 
 
 def _grad_hook(ref: weakref.ReferenceType[OffloadAdamW]) -> Callable[[torch.Tensor], None]:
@@ -78,7 +93,9 @@ class OffloadAdamW(torch.optim.Optimizer):
             lands (``None`` means off: a loop that reads gradients between backward and
             ``step()``, for clipping or loss scaling, would be silently wrong otherwise).
         backend: ``"auto"`` (C++ kernel, pure torch if it cannot be built), ``"cpp"``,
-            ``"torch"``.
+            ``"torch"``, or ``"cuda"``: parameters on a CUDA device are updated there by the
+            CUDA kernel, their moments and master weights staying in page-locked host RAM
+            (compiled with nvcc on first use; untested on a GPU so far).
         seed: seed of the stochastic-rounding streams (bf16 and int8 moments).
     """
 
@@ -128,6 +145,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         check_group(dict(defaults))
         super().__init__(params, defaults)
         self.backend: Backend = resolve_backend(options["backend"])
+        self._host_backend = (
+            self.backend.host if isinstance(self.backend, CudaBackend) else self.backend
+        )
+        self._devices: set[torch.device] = set()  # with CUDA updates not yet waited for
 
     # --- construction -------------------------------------------------------------------
 
@@ -239,11 +260,25 @@ class OffloadAdamW(torch.optim.Optimizer):
             replaced = ref()
             if replaced is not None:
                 replaced._opt_called = True  # type: ignore[attr-defined]
+        self._wait_for_devices()
         return loss
+
+    def _on_device(self, p: torch.Tensor) -> bool:
+        """True when ``p``'s update runs in the CUDA kernel."""
+        return p.device.type == "cuda" and isinstance(self.backend, CudaBackend)
+
+    def _wait_for_devices(self) -> None:
+        """Wait for the CUDA updates in flight: they write host RAM that the caller may read
+        next (a state dict)."""
+        for device in self._devices:
+            torch.cuda.current_stream(device).synchronize()
+        self._devices.clear()
 
     def _init_state(self, p: torch.Tensor, state: dict[str, Any]) -> None:
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        if not _is_direct(p):
+        if self._on_device(p) and p.dtype == torch.float32 and p.is_contiguous():
+            pass  # the CUDA kernel updates the parameter itself
+        elif not _is_direct(p):
             state["master"] = p.detach().to("cpu", torch.float32, copy=True).contiguous()
         if self.moment_dtype == "int8":
             size = fmt.blocks_for(p.numel())
@@ -255,6 +290,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             dtype = torch.float32 if self.moment_dtype == "float32" else torch.bfloat16
             for key in _MOMENT_KEYS:
                 state[key] = torch.zeros(p.shape, dtype=dtype)
+        if self._on_device(p):
+            _pinned(state)
 
     def _update(self, p: torch.Tensor, group: dict[str, Any], grad_scale: float) -> None:
         grad = p.grad
@@ -280,17 +317,25 @@ class OffloadAdamW(torch.optim.Optimizer):
             grad_scale=grad_scale,
             key=fmt.stream_key(self.seed, step, self._index[p]),
         )
+        on_device = self._on_device(p)
+        if on_device:
+            _pinned(state)
+            self._devices.add(p.device)
+            g = grad.detach().to(torch.float32).contiguous().view(-1)  # stays on the device
+            backend = self.backend
+        else:
+            g = grad.detach().to("cpu", torch.float32).contiguous().view(-1)
+            backend = self._host_backend
         master = state.get("master")
         work = master if master is not None else p.detach()
         flat = work.view(-1)
-        g = grad.detach().to("cpu", torch.float32).contiguous().view(-1)
         if self.moment_dtype == "float32":
-            self.backend.fp32(flat, g, state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1), h)
+            backend.fp32(flat, g, state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1), h)
         elif self.moment_dtype == "bfloat16":
-            self.backend.bf16(flat, g, state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1), h)
+            backend.bf16(flat, g, state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1), h)
         else:
             codes, absmax, s_codes, s_absmax = (state[k] for k in _INT8_KEYS)
-            self.backend.int8(flat, g, codes, absmax, s_codes, s_absmax, h)
+            backend.int8(flat, g, codes, absmax, s_codes, s_absmax, h)
         if master is not None:
             p.detach().copy_(master.view(p.shape))
 
@@ -303,6 +348,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         """As :meth:`torch.optim.AdamW.state_dict`: per parameter ``step``, ``exp_avg`` and
         ``exp_avg_sq`` (always float32, in the parameter's shape), plus ``master`` (the fp32
         master weights) for parameters that have one."""
+        self._wait_for_devices()
         packed = super().state_dict()
         params = self._params()
         packed["state"] = {

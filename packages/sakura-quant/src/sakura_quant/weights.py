@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sakura_quant.formats import FORMATS, QuantizedWeight
+from sakura_quant.formats import FORMATS, QuantizedWeight, nf4
 from sakura_quant.formats.double_quant import compress_scales, decompress_scales
 from sakura_quant.options import check_block_size, check_double_quant, check_format
 
@@ -44,6 +44,12 @@ def quantize_weight(
 def dequantize_weight(qweight: QuantizedWeight, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The weight back, in ``dtype`` (default: the dtype it was quantized from)."""
     tensors = qweight.tensors
+    if qweight.format == "nf4":  # on a CUDA device, one kernel also decodes the scales
+        fused = nf4.dequantize_cuda(
+            tensors, qweight.numel, qweight.block_size, dtype or qweight.dtype
+        )
+        if fused is not None:
+            return fused.view(qweight.shape)
     if "scales_offset" in tensors:
         tensors = dict(tensors, scales=decompress_scales(tensors))
     flat = FORMATS[qweight.format].dequantize_to(

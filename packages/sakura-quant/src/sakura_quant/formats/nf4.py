@@ -17,6 +17,7 @@ import functools
 import torch
 
 from sakura_quant import _kernel
+from sakura_quant.formats import double_quant
 from sakura_quant.formats._blocks import as_blocks, block_absmax, inverse, scale_blocks
 from sakura_quant.formats.base import WeightFormat
 
@@ -102,6 +103,8 @@ class NF4(WeightFormat):
         self, tensors: dict[str, torch.Tensor], numel: int, block_size: int, dtype: torch.dtype
     ) -> torch.Tensor:
         fast = _dequantize_cpu(tensors["data"], tensors["scales"], numel, block_size, dtype)
+        if fast is None:
+            fast = dequantize_cuda(tensors, numel, block_size, dtype)
         if fast is not None:
             return fast
         return self.dequantize(tensors, numel, block_size).to(dtype)
@@ -164,4 +167,61 @@ def _dequantize_cpu(
         out.data_ptr(),
         _threads(),
     )
+    return out
+
+
+# The CUDA kernel (sakura_quant/csrc/nf4_cuda.cu) expands NF4 on the device with the same
+# bits, from fp32 scales or straight from double-quantized ones; compiled with nvcc on
+# first use where CUDA is available.  Untested on a GPU so far (see the README).
+
+
+def dequantize_cuda(
+    tensors: dict[str, torch.Tensor], numel: int, block_size: int, dtype: torch.dtype
+) -> torch.Tensor | None:
+    """The flat weight in ``dtype`` from NF4 ``tensors`` on a CUDA device (``"scales"`` fp32,
+    or uint8 codes with ``"scales_scale"`` / ``"scales_offset"``); None where the kernel
+    does not apply (another device or dtype, no kernel): the caller then takes the torch
+    path."""
+    data, scales = tensors["data"], tensors["scales"]
+    suffix = _KERNEL_DTYPES.get(dtype)
+    device = data.device
+    if suffix is None or device.type != "cuda" or any(t.device != device for t in tensors.values()):
+        return None
+    if scales.dtype not in (torch.float32, torch.uint8):
+        return None
+    lib = _kernel.CUDA_LIBRARY.load()
+    if lib is None:
+        return None
+    data, scales = data.contiguous(), scales.contiguous()
+    if scales.dtype == torch.uint8:  # double-quantized
+        absmax = None
+        dq: list[torch.Tensor | None] = [
+            scales,
+            double_quant._code(device),
+            tensors["scales_scale"].float().contiguous(),
+            tensors["scales_offset"].float().reshape(1).contiguous(),
+        ]
+    else:
+        absmax, dq = scales, [None] * 4
+    out = torch.empty(numel, dtype=dtype, device=device)
+    code = _code(device)
+
+    def ptr(t: torch.Tensor | None) -> int | None:
+        return None if t is None else t.data_ptr()
+
+    with torch.cuda.device(device):
+        status = getattr(lib, f"sakura_nf4_dequantize_cuda_{suffix}")(
+            data.data_ptr(),
+            ptr(absmax),
+            *(ptr(t) for t in dq),
+            numel,
+            block_size,
+            code.data_ptr(),
+            out.data_ptr(),
+            torch.cuda.current_stream(device).cuda_stream,
+        )
+    if status != 0:
+        raise RuntimeError(
+            f"sakura-quant: the CUDA NF4 kernel failed to launch (cudaError {status})"
+        )
     return out

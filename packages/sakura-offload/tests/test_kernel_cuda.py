@@ -1,0 +1,163 @@
+"""The CUDA AdamW kernel (csrc/adamw_cuda.cu): compiled with nvcc here (no GPU needed), its
+exports and ABI checked; its element arithmetic, run on the host through the ``*_emulate``
+exports, held to torch.optim.AdamW and to the C++ kernel; on a CUDA device,
+``backend="cuda"`` against the host update."""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from _offload_models import max_diff, train
+
+from sakura.native_cuda import find_nvcc
+from sakura_offload import OffloadAdamW, _kernel
+from sakura_offload import optimizer as optimizer_module
+from sakura_offload._backends import CudaBackend, TorchBackend
+
+HYPER = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.05}
+EXPORTS = {
+    "sakura_offload_cuda_abi_version",
+    "sakura_offload_cuda_probe",
+    *(f"sakura_adamw_{f}_{k}" for f in ("fp32", "bf16", "int8") for k in ("cuda", "emulate")),
+}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, ctypes.CDLL]:
+    if find_nvcc() is None:
+        pytest.skip("nvcc is not installed here: the CUDA source cannot be compiled")
+    library = _kernel.CUDA_LIBRARY.replace(arch="sm_90")  # the H200's architecture
+    path = library.compile(tmp_path_factory.mktemp("adamw_cuda"))
+    return path, library.open(path)
+
+
+def emulate(opt: OffloadAdamW, lib: ctypes.CDLL) -> OffloadAdamW:
+    """``opt`` updating every parameter with the emulated CUDA arithmetic."""
+    opt.backend = opt._host_backend = CudaBackend(lib, TorchBackend(), emulate=True)
+    return opt
+
+
+def test_compiles_with_the_exports_and_abi(built: tuple[Path, ctypes.CDLL]) -> None:
+    path, lib = built
+    listed = subprocess.run(
+        ["nm", "-D", "--defined-only", str(path)], capture_output=True, text=True, check=True
+    ).stdout
+    assert {line.split()[-1] for line in listed.splitlines() if line.strip()} >= EXPORTS
+    assert lib.sakura_offload_cuda_abi_version() == _kernel.CUDA_LIBRARY.abi_version == 1
+
+
+def test_the_kernel_arithmetic_matches_torch_adamw(built: tuple[Path, ctypes.CDLL]) -> None:
+    def emulated(params: object) -> OffloadAdamW:
+        return emulate(OffloadAdamW(params, **HYPER, backend="torch"), built[1])  # type: ignore[arg-type]
+
+    model, _ = train(emulated)
+    reference, _ = train(lambda p: torch.optim.AdamW(p, **HYPER))  # type: ignore[arg-type]
+    assert max_diff(model, reference) <= 3e-7  # the bar the C++ kernel meets
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bf16", "int8"])
+def test_the_kernel_arithmetic_agrees_with_the_cpp_kernel(
+    built: tuple[Path, ctypes.CDLL], dtype: str
+) -> None:
+    # Five steps from the same start: same formats, same random streams.  The C++ kernel is
+    # vectorised (and its compiler may fuse multiply-adds; nvcc here does not), so the last
+    # bits of a value may differ and, now and then, a bf16 or int8 code they flip.
+    g = torch.Generator().manual_seed(0)
+    start = torch.randn(3000, generator=g)
+    grads = [torch.randn(3000, generator=g) * torch.logspace(-4, 0, 3000) for _ in range(5)]
+    results = []
+    for backend in ("cpp", "emulated"):
+        param = torch.nn.Parameter(start.clone())
+        opt = OffloadAdamW([param], **HYPER, moment_dtype=dtype, backend="cpp")
+        if backend == "emulated":
+            emulate(opt, built[1])
+        for grad in grads:
+            param.grad = grad.clone()
+            opt.step()
+        results.append((param.detach().clone(), copy.deepcopy(opt.state[param])))
+    (p_cpp, s_cpp), (p_emu, s_emu) = results
+    assert 0 < (p_cpp - p_emu).abs().max().item() < 1e-6  # > 0: the emulation did run
+    assert s_cpp.keys() == s_emu.keys()
+    for key, value in s_cpp.items():
+        if value.dtype in (torch.uint8, torch.bfloat16):
+            assert (value == s_emu[key]).float().mean().item() > 0.99, key
+        else:
+            torch.testing.assert_close(value, s_emu[key], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
+def test_the_optimizer_device_branch_with_the_emulated_kernel(
+    built: tuple[Path, ctypes.CDLL], monkeypatch: pytest.MonkeyPatch, param_dtype: torch.dtype
+) -> None:
+    # The optimizer's backend="cuda" branch (state allocation, masters, the update, the
+    # copy back), run on the host: the device test is below, this one runs everywhere.
+    monkeypatch.setattr(optimizer_module, "_pinned", lambda state: None)  # needs CUDA
+    monkeypatch.setattr(OffloadAdamW, "_on_device", lambda self, p: True)
+    monkeypatch.setattr(OffloadAdamW, "_wait_for_devices", lambda self: None)
+    g = torch.Generator().manual_seed(2)
+    start = torch.randn(1000, generator=g).to(param_dtype)
+    grads = [torch.randn(1000, generator=g) for _ in range(3)]
+    results = []
+    for backend in ("cpp", "emulated"):
+        param = torch.nn.Parameter(start.clone())
+        opt = OffloadAdamW([param], **HYPER, moment_dtype="int8", backend="cpp")
+        if backend == "emulated":
+            opt.backend = CudaBackend(built[1], TorchBackend(), emulate=True)
+        for grad in grads:
+            param.grad = grad.to(param_dtype)
+            opt.step()
+        results.append((param.detach().float(), opt.state_dict()["state"][0]))
+        assert ("master" in opt.state[param]) == (param_dtype != torch.float32)
+    (p_cpp, s_cpp), (p_emu, s_emu) = results
+    # The device branch called opt.backend (the emulated kernel), not the host one: the
+    # fp32 weights (the master, for bf16 parameters) differ in their last bits.
+    fp32 = (p_cpp, p_emu) if param_dtype == torch.float32 else (s_cpp["master"], s_emu["master"])
+    assert 0 < (fp32[0] - fp32[1]).abs().max().item() < 1e-6
+    # A bf16 parameter is its master rounded: at most one bf16 step apart.
+    assert ((p_cpp - p_emu).abs() <= p_cpp.abs() * 2**-7).all()
+    for key in ("exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(s_emu[key], s_cpp[key], rtol=0.07, atol=1e-6)
+
+
+def test_the_cuda_backend_needs_a_device() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    with pytest.raises(RuntimeError, match="CUDA AdamW kernel is not available: no CUDA device"):
+        OffloadAdamW([torch.nn.Parameter(torch.zeros(4))], backend="cuda")
+    with pytest.raises(ValueError, match=r"backend='gpu'.*'cuda'"):
+        OffloadAdamW([torch.nn.Parameter(torch.zeros(4))], backend="gpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("moment_dtype", ["float32", "bf16", "int8"])
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
+def test_on_a_device_cuda_updates_match_the_host_update(
+    moment_dtype: str, param_dtype: torch.dtype
+) -> None:
+    g = torch.Generator().manual_seed(1)
+    start = torch.randn(70_000, generator=g).to(param_dtype)
+    grads = [torch.randn(70_000, generator=g) * torch.logspace(-4, 0, 70_000) for _ in range(5)]
+    results = {}
+    for backend in ("cpp", "cuda"):
+        param = torch.nn.Parameter(start.cuda())
+        opt = OffloadAdamW([param], **HYPER, moment_dtype=moment_dtype, backend=backend)
+        for grad in grads:
+            param.grad = grad.to("cuda", param_dtype)
+            opt.step()
+        state = opt.state_dict()["state"][0]
+        results[backend] = (param.detach().float().cpu(), state)
+        if backend == "cuda":
+            assert opt.backend.name == "cuda"
+            assert all(t.is_pinned() for k, t in opt.state[param].items() if k != "step")
+    (p_host, s_host), (p_cuda, s_cuda) = results["cpp"], results["cuda"]
+    tolerance = {"float32": 1e-6, "bf16": 1e-5, "int8": 2e-4}[moment_dtype]
+    if param_dtype == torch.bfloat16:  # a master weight rounded to bf16 may flip one ulp
+        tolerance = max(tolerance, 2**-7 * p_host.abs().max().item())
+    assert (p_host - p_cuda).abs().max().item() <= tolerance
+    for key in ("exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(s_cuda[key], s_host[key], rtol=0.07, atol=1e-6)
