@@ -145,6 +145,15 @@ def test_config_round_trip_and_bad_options() -> None:
     again = AutoQuantizationConfig.from_dict(json.loads(json.dumps(data)))
     assert isinstance(again, SakuraQuantConfig) and again.to_dict() == data
 
+    # What device_map="auto" plans with: the bytes of a quantized weight, scales included.
+    from sakura_quant.hf import SakuraHfQuantizer
+
+    sizes = [("nf4", {}), ("nf4", {"double_quant": True}), ("fp8", {}), ("nvfp4", {})]
+    for fmt, options in [*sizes, ("int8", {"block_size": 128, "double_quant": True})]:
+        layer = QuantizedLinear.from_linear(torch.nn.Linear(128, 64), fmt, **options)
+        planned = SakuraHfQuantizer(SakuraQuantConfig(fmt, **options)).quantized_element_size
+        assert planned * 128 * 64 == pytest.approx(layer.quantized_nbytes, rel=0.01), fmt
+
     # The errors are quantize_model's, with this owner.
     bad = [
         ({"format": "nf5"}, "format='nf5'"),

@@ -83,6 +83,16 @@ class SakuraHfQuantizer(HfQuantizer):
         self.targets: set[str] = set()
         self._candidates: dict[str, _Candidate] = {}
 
+    @property
+    def quantized_element_size(self) -> float:
+        """Bytes per weight once quantized, scales included (what ``device_map="auto"``
+        plans with): codes of 4 or 8 bits plus one scale per block (fp32, or one byte with
+        ``double_quant``; nvfp4's are e4m3)."""
+        config = self.quantization_config
+        code = 0.5 if config.format in ("nf4", "nvfp4") else 1.0
+        scale = 1.0 if config.double_quant or config.format == "nvfp4" else 4.0
+        return code + scale / config.block_size
+
     def validate_environment(self, *args: Any, **kwargs: Any) -> None:
         device_map = kwargs.get("device_map")
         if isinstance(device_map, dict) and "disk" in device_map.values():
