@@ -242,6 +242,39 @@ def test_peft_trains_on_the_reloaded_model(tmp_path: Path) -> None:
         )
         assert torch.equal(after[peft_key], value), key
 
+    # The adapters alone are saved; on the base reloaded from its folder they give the same model.
+    lora.eval()
+    lora.save_pretrained(tmp_path / "adapter")
+    again = peft.PeftModel.from_pretrained(_load(tmp_path / "q"), tmp_path / "adapter")
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, lora(ids).logits)
+
+
+def test_under_the_hf_trainer(tmp_path: Path) -> None:
+    _tiny_llama().save_pretrained(tmp_path / "fp")
+    model = _load(tmp_path / "fp", quantization_config=SakuraQuantConfig("nf4", double_quant=True))
+    base = model.model.layers[1].self_attn.v_proj.weight.clone()
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    start = {n: p.detach().clone() for n, p in lora.named_parameters() if p.requires_grad}
+    ids = torch.randint(0, 64, (8, 12))
+    args = transformers.TrainingArguments(
+        str(tmp_path / "out"),
+        max_steps=3,
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+    )
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    transformers.Trainer(model=lora, args=args, train_dataset=data).train()
+    layer = lora.base_model.model.model.layers[1].self_attn.v_proj
+    assert torch.equal(layer.base_layer.weight, base)
+    moved = [
+        n for n, p in lora.named_parameters() if p.requires_grad and not torch.equal(p, start[n])
+    ]
+    assert any("lora_B" in n for n in moved)
+
 
 def test_import_is_cheap() -> None:
     code = (
