@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sakura import SakuraRuntime
+from sakura.options import OptionError
 from sakura.testing import ServiceConformance
 from sakura_precision import ActivationCheckpoint, find_blocks
 
@@ -47,7 +48,7 @@ def test_auto_detection_finds_the_repeated_blocks() -> None:
     assert [n for n, _ in find_blocks(seq)] == ["1", "2"]
     assert [n for n, _ in find_blocks(Nested())] == ["layers.0", "layers.1", "layers.2"]
     with pytest.raises(
-        ValueError, match=r"found no repeated block stack in Sequential.*pass blocks="
+        ValueError, match=r"accepted: a block class.*found no repeated block stack in Sequential"
     ):
         find_blocks(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2)))
 
@@ -73,11 +74,16 @@ def test_outermost_match_wins_and_bad_selectors() -> None:
     # the ModuleList is selected, so the Linear layers inside its blocks are not
     names = [n for n, _ in find_blocks(make_model(), (nn.Linear, nn.ModuleList))]
     assert names == ["proj", "blocks", "head"]
-    with pytest.raises(ValueError, match=r"blocks=Linear3 matched no module of TinyStack"):
+    with pytest.raises(
+        ValueError,
+        match=r"blocks='Linear3' is not accepted.*Linear3 matched no module of TinyStack",
+    ):
         find_blocks(make_model(), "Linear3")
-    with pytest.raises(ValueError, match=r"selects the whole model \(TinyStack\)"):
+    with pytest.raises(
+        ValueError, match=r"sub-blocks of TinyStack; TinyStack selects the whole model"
+    ):
         find_blocks(make_model(), TinyStack)
-    with pytest.raises(ValueError, match=r"blocks=int is not a torch.nn.Module subclass"):
+    with pytest.raises(OptionError, match=r"blocks=<class 'int'> is not accepted; accepted: None"):
         ActivationCheckpoint(blocks=int)
     with pytest.raises(ValueError, match=r"blocks=3 is not accepted"):
         ActivationCheckpoint(blocks=3)

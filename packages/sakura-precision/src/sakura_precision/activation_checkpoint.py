@@ -188,7 +188,7 @@ class ActivationCheckpoint(Service):
         preserve_rng_state: bool = True,
     ) -> None:
         owner = "ActivationCheckpoint"
-        self.blocks = validate_selector(owner, blocks)
+        self.blocks = validate_selector(blocks, owner=owner)
         self.every: int = check_int("every", every, minimum=1, owner=owner)
         self.preserve_rng_state = check_bool("preserve_rng_state", preserve_rng_state, owner=owner)
         self.policy = policy

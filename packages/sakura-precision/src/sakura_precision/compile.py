@@ -114,7 +114,7 @@ class Compile(Service):
             raise ValueError(
                 f"{owner}: blocks= applies to target='blocks' only (target={target!r})"
             )
-        self.blocks = validate_selector(owner, blocks)
+        self.blocks = validate_selector(blocks, owner=owner)
         if not isinstance(backend, str) or not backend:
             raise option_error(
                 "backend", backend, "a torch.compile backend name such as 'inductor'", owner=owner
