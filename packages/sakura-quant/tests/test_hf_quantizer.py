@@ -123,7 +123,8 @@ def test_tied_head_bf16_and_targets(tmp_path: Path) -> None:
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
     q = loaded.model.layers[0].self_attn.q_proj
     assert isinstance(q, QuantizedLinear) and q.compute_dtype == torch.bfloat16
-    loaded.save_pretrained(tmp_path / "q")
+    loaded.save_pretrained(tmp_path / "q", max_shard_size="20KB")  # sharded: the layout is in each
+    assert len(list((tmp_path / "q").glob("*.safetensors"))) > 1
     reloaded = _load(tmp_path / "q")
     assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
     assert reloaded.model.layers[0].self_attn.q_proj.compute_dtype == torch.bfloat16
