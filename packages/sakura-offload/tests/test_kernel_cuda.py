@@ -37,8 +37,9 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, ctypes.CDLL]:
 
 
 def emulate(opt: OffloadAdamW, lib: ctypes.CDLL) -> OffloadAdamW:
-    """``opt`` updating every parameter with the emulated CUDA arithmetic."""
-    opt.backend = opt._host_backend = CudaBackend(lib, TorchBackend(), emulate=True)
+    """``opt`` updating every parameter, host ones too, with the emulated CUDA arithmetic."""
+    emulated = CudaBackend(lib, TorchBackend(), emulate=True)
+    opt.backend = CudaBackend(lib, emulated, emulate=True)
     return opt
 
 

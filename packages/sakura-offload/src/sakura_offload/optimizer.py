@@ -145,9 +145,6 @@ class OffloadAdamW(torch.optim.Optimizer):
         check_group(dict(defaults))
         super().__init__(params, defaults)
         self.backend: Backend = resolve_backend(options["backend"])
-        self._host_backend = (
-            self.backend.host if isinstance(self.backend, CudaBackend) else self.backend
-        )
         self._devices: set[torch.device] = set()  # with CUDA updates not yet waited for
 
     # --- construction -------------------------------------------------------------------
@@ -262,6 +259,11 @@ class OffloadAdamW(torch.optim.Optimizer):
                 replaced._opt_called = True  # type: ignore[attr-defined]
         self._wait_for_devices()
         return loss
+
+    @property
+    def _host_backend(self) -> Backend:
+        """What updates the parameters that are not on a CUDA device."""
+        return self.backend.host if isinstance(self.backend, CudaBackend) else self.backend
 
     def _on_device(self, p: torch.Tensor) -> bool:
         """True when ``p``'s update runs in the CUDA kernel."""
