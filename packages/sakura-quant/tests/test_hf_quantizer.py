@@ -287,6 +287,16 @@ def test_import_is_cheap() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
+def test_a_failed_registration_only_warns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Registering runs inside the import of transformers' registry: where it cannot work
+    (transformers 4, which has another loading API), that import must still succeed."""
+    from sakura_quant import _hf_hook
+
+    monkeypatch.setitem(sys.modules, "sakura_quant.hf", None)  # importing it raises ImportError
+    with pytest.warns(UserWarning, match="not in transformers' quantizer registry"):
+        _hf_hook._register()
+
+
 def test_registered_when_the_registry_is_imported(tmp_path: Path) -> None:
     from transformers.quantizers import auto
 

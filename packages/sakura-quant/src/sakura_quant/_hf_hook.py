@@ -16,6 +16,7 @@ import importlib.machinery
 import importlib.util
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
@@ -30,8 +31,13 @@ def _register() -> None:
     hf = sys.modules.get("sakura_quant.hf")
     if hf is not None and not hasattr(hf, "register"):
         return  # sakura_quant.hf is being imported (it imports the registry): it registers itself
-    from sakura_quant.hf import register
-
+    try:
+        from sakura_quant.hf import register
+    except ImportError as exc:  # e.g. transformers 4: its import must not fail because of us
+        warnings.warn(
+            f"sakura-quant is not in transformers' quantizer registry: {exc}", stacklevel=2
+        )
+        return
     register()
 
 

@@ -7,6 +7,14 @@ transformers' registry itself is imported, and not before (:mod:`sakura_quant._h
 
 from __future__ import annotations
 
+import transformers
+
+if int(transformers.__version__.split(".", 1)[0]) < 5:
+    raise ImportError(
+        "SakuraQuantConfig plugs into the weight loading of transformers 5 (tested with 5.24); "
+        f"transformers {transformers.__version__} is installed: pip install 'transformers>=5'"
+    )
+
 from sakura_quant.hf.config import QUANT_METHOD, SakuraQuantConfig
 from sakura_quant.hf.quantizer import SakuraHfQuantizer
 
