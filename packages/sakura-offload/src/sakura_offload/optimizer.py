@@ -339,7 +339,10 @@ class OffloadAdamW(torch.optim.Optimizer):
             codes, absmax, s_codes, s_absmax = (state[k] for k in _INT8_KEYS)
             backend.int8(flat, g, codes, absmax, s_codes, s_absmax, h)
         if master is not None:
-            p.detach().copy_(master.view(p.shape))
+            # After a CUDA update the copy must be stream-ordered behind the kernel that
+            # writes the master: a blocking copy that changes the dtype converts on the host
+            # first, and would read the master before the kernel is done.
+            p.detach().copy_(master.view(p.shape), non_blocking=on_device)
 
     # --- state dicts --------------------------------------------------------------------
 
