@@ -266,3 +266,13 @@ def test_on_cuda_the_budget_defaults_to_free_memory() -> None:  # pragma: no cov
     for choice in ("page_host", "recompute"):
         plan_maker.decide(choice)
         assert same(step(model, ids), reference)
+
+
+def test_tracking_can_be_turned_on_after_planning(reference: Any) -> None:
+    model, plan_maker, _ = planner(track=False)
+    plan = plan_maker.decide("page_host")
+    plan_maker.track = True
+    plan_maker.decide(plan.choices)
+    plan_maker.reset_peak()
+    assert same(step(model, tokens()), reference)
+    assert 0 < plan_maker.measured_peak <= plan.estimated_peak

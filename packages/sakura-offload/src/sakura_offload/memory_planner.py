@@ -1134,6 +1134,11 @@ class MemoryPlanner:
             for handle in self._hooks:
                 handle.remove()
             self._hooks = []
+        elif not self._hooks and self.model is not None:  # tracking turned on after planning
+            self._hooks = [
+                self.model.register_forward_pre_hook(self._root_pre),
+                self.model.register_forward_hook(self._root_post, always_call=True),
+            ]
         _LOG.info("%s", plan.table())
 
     # --- running under a plan ----------------------------------------------------------

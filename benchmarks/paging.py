@@ -1,0 +1,298 @@
+"""Activation memory against step time: keep / page (host) / page (disk) / recompute / the
+memory planner, beside transformers' own gradient checkpointing, in one run.
+
+A config-built ``LlamaForCausalLM`` (random weights, nothing downloaded) trains on one
+fixed batch; a step is forward + backward (no optimizer).  A budget of saved-activation
+bytes is set below what keeping everything needs (``--budget-fraction`` of it), so the
+model "does not fit".  Variants, each on its own copy of the model, interleaved trial by
+trial:
+
+* ``keep``            the unplanned model: every saved activation stays — the reference
+* ``page-host``       every block's saved tensors paged to host RAM (``ActivationPaging``
+                      on a GPU; on a CPU a copy to a separate buffer and back, the copy a
+                      GPU would make, which frees no RAM: the budget is a simulated device)
+* ``page-disk``       every block's saved tensors in memory-mapped files (``--directory``)
+* ``recompute``       every block recomputed in backward (non-reentrant checkpoint)
+* ``planner``         ``MemoryPlanner`` with the budget: its own mix
+* ``hf-checkpointing`` transformers' ``gradient_checkpointing_enable()`` (the rival of
+                      ``recompute``)
+
+Reported per variant: the peak of saved-activation bytes (counted by the planner's
+tracking hooks on one extra step, beside the planner's estimate; not counted for
+``hf-checkpointing``, whose checkpoints hide what they hold from saved-tensor hooks),
+whether it meets the budget, the process's peak RSS above its level before the step (``VmHWM`` reset through
+``/proc/self/clear_refs``; Linux), the step time (median over trials of the per-trial
+mean, min-max spread) and its ratio to ``keep`` (median and spread of the per-trial
+ratios), with the load average before and after.  Run: ``python benchmarks/paging.py``
+(``--help``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import tempfile
+import time
+from typing import Any
+
+VARIANTS = ("keep", "page-host", "page-disk", "recompute", "planner", "hf-checkpointing")
+CHOICE = {
+    "keep": "keep",
+    "page-host": "page_host",
+    "page-disk": "page_disk",
+    "recompute": "recompute",
+}
+
+
+def load_average() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
+def _status(field: str) -> int | None:
+    try:
+        with open("/proc/self/status", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as handle:
+            handle.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def make_model(args: argparse.Namespace) -> Any:
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 8 // 3,
+        num_hidden_layers=args.layers,
+        num_attention_heads=max(1, args.hidden // 64),
+        num_key_value_heads=max(1, args.hidden // 128),
+        max_position_embeddings=args.seq,
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(args.device)
+    model.train()
+    return model
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from sakura_offload.memory_planner import MemoryPlanner
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(args.device)
+
+    def step(model: Any) -> None:
+        for p in model.parameters():
+            p.grad = None
+        model(input_ids=ids, labels=ids).loss.backward()
+
+    def sync() -> None:
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    directory = args.directory or tempfile.gettempdir()
+    options = {"min_bytes": args.min_bytes, "directory": directory}
+    # Measure once, on a model of its own, for the budget.
+    probe = make_model(args)
+    probe_planner = MemoryPlanner(10**15, **options)
+    probe_plan = probe_planner.plan(probe, lambda m=probe: m(input_ids=ids, labels=ids).loss)
+    keep_peak = probe_plan.keep_peak
+    budget = int(keep_peak * args.budget_fraction)
+    del probe, probe_planner, probe_plan
+
+    models: dict[str, Any] = {}
+    planners: dict[str, MemoryPlanner] = {}
+    plans: dict[str, Any] = {}
+    for name in args.variants:
+        model = make_model(args)
+        if name == "hf-checkpointing":
+            model.gradient_checkpointing_enable({"use_reentrant": False})
+        elif name == "keep":
+            pass  # the plain model
+        else:
+            planner = MemoryPlanner(budget if name == "planner" else 10**15, **options)
+            plan = planner.plan(model, lambda m=model: m(input_ids=ids, labels=ids).loss)
+            if name != "planner":
+                plan = planner.decide(CHOICE[name])
+            planners[name], plans[name] = planner, plan
+        models[name] = model
+
+    times: dict[str, list[float]] = {name: [] for name in args.variants}
+    rss: dict[str, list[int]] = {name: [] for name in args.variants}
+    for name in args.variants:  # warm-up
+        for _ in range(args.warmup):
+            step(models[name])
+    load_before = load_average()
+    can_reset = reset_peak_rss()
+    for _trial in range(args.trials):
+        for name in args.variants:
+            model = models[name]
+            gc.collect()
+            base = _status("VmRSS")
+            if can_reset:
+                reset_peak_rss()
+            sync()
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                step(model)
+            sync()
+            times[name].append((time.perf_counter() - start) / args.steps)
+            peak = _status("VmHWM")
+            if can_reset and base is not None and peak is not None:
+                rss[name].append(peak - base)
+    load_after = load_average()
+
+    # Saved-activation peaks: one tracked step per variant.
+    saved: dict[str, int | None] = {}
+    estimated: dict[str, int] = {}
+    for name in args.variants:
+        model = models[name]
+        if name == "hf-checkpointing":  # its checkpoints hide what they hold from the hooks
+            saved[name] = None
+            continue
+        if name in planners:
+            planner = planners[name]
+            planner.track = True
+            planner.decide(plans[name].choices)
+            estimated[name] = plans[name].estimated_peak
+        else:
+            planner = MemoryPlanner(10**15, **options, track=True)
+            planner.plan(model, lambda m=model: m(input_ids=ids, labels=ids).loss, trials=1)
+            estimated[name] = planner.decide("keep").estimated_peak
+        planner.reset_peak()
+        step(model)
+        saved[name] = planner.measured_peak
+
+    results: dict[str, Any] = {}
+    reference = times["keep"]  # always run: main() adds it
+    for name in args.variants:
+        per_trial = times[name]
+        peak = saved[name]
+        entry: dict[str, Any] = {
+            "saved_peak_bytes": peak,
+            "estimated_peak_bytes": estimated.get(name),
+            "fits_budget": None if peak is None else peak <= budget,
+            "step_s_median": statistics.median(per_trial),
+            "step_s_min": min(per_trial),
+            "step_s_max": max(per_trial),
+            "per_trial_s": per_trial,
+            "peak_rss_above_start_bytes": statistics.median(rss[name]) if rss[name] else None,
+        }
+        ratios = [t / r for t, r in zip(per_trial, reference, strict=True)]
+        entry.update(
+            ratio_median=statistics.median(ratios),
+            ratio_min=min(ratios),
+            ratio_max=max(ratios),
+        )
+        results[name] = entry
+    return {
+        "config": {k: v for k, v in vars(args).items() if k != "json"},
+        "torch_threads": torch.get_num_threads(),
+        "budget_bytes": budget,
+        "keep_peak_estimated_bytes": keep_peak,
+        "plan": plans["planner"].table() if "planner" in plans else None,
+        "load_average_before": load_before,
+        "load_average_after": load_after,
+        "variants": results,
+    }
+
+
+def report(result: dict[str, Any]) -> str:
+    c = result["config"]
+    lines = [
+        f"LlamaForCausalLM {c['layers']} layers x hidden {c['hidden']}, batch {c['batch']} x "
+        f"{c['seq']} tokens, {c['device']}, {result['torch_threads']} threads; "
+        f"{c['trials']} trials x {c['steps']} steps",
+        f"budget {result['budget_bytes'] / 1e6:.1f} MB of saved activations "
+        f"({c['budget_fraction']:.0%} of the {result['keep_peak_estimated_bytes'] / 1e6:.1f} MB "
+        f"keeping everything needs); load average {result['load_average_before']} before, "
+        f"{result['load_average_after']} after",
+        "",
+        "| variant | saved activations, peak (estimated) | fits | peak RSS above start | "
+        "step time (median, min-max) | vs keep (median, min-max) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, r in result["variants"].items():
+        rss = r["peak_rss_above_start_bytes"]
+        rss_text = "n/a" if rss is None else f"{rss / 1e6:.0f} MB"
+        ratio = (
+            f"{r['ratio_median']:.2f}x ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})"
+            if "ratio_median" in r
+            else "n/a"
+        )
+        peak, est = r["saved_peak_bytes"], r["estimated_peak_bytes"]
+        saved_text = "not counted" if peak is None else f"{peak / 1e6:.1f} MB"
+        if est is not None:
+            saved_text += f" ({est / 1e6:.1f} MB)"
+        fits = {None: "n/a", True: "yes", False: "no"}[r["fits_budget"]]
+        lines.append(
+            f"| {name} | {saved_text} | {fits} | {rss_text} | "
+            f"{r['step_s_median'] * 1e3:.0f} ms ({r['step_s_min'] * 1e3:.0f}-"
+            f"{r['step_s_max'] * 1e3:.0f}) | {ratio} |"
+        )
+    if result["plan"]:
+        lines += ["", "The planner's decision:", "", result["plan"]]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--budget-fraction", type=float, default=0.4)
+    parser.add_argument("--min-bytes", type=int, default=1 << 16)
+    parser.add_argument("--directory", default=None, help="disk pages (default: temp dir)")
+    parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per trial")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--json", default=None, help="also write the results to this file")
+    args = parser.parse_args()
+    if "keep" not in args.variants:
+        args.variants.insert(0, "keep")
+    result = run(args)
+    print(report(result))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(result, handle, indent=2)
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except ImportError:
+        return False
+
+
+if __name__ == "__main__":
+    main()
