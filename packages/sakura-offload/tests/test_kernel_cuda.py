@@ -23,6 +23,7 @@ HYPER = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.05}
 EXPORTS = {
     "sakura_offload_cuda_abi_version",
     "sakura_offload_cuda_probe",
+    "sakura_offload_cuda_reachable",
     *(f"sakura_adamw_{f}_{k}" for f in ("fp32", "bf16", "int8") for k in ("cuda", "emulate")),
 }
 
@@ -97,7 +98,7 @@ def test_the_optimizer_device_branch_with_the_emulated_kernel(
 ) -> None:
     # The optimizer's backend="cuda" branch (state allocation, masters, the update, the
     # copy back), run on the host: the device test is below, this one runs everywhere.
-    monkeypatch.setattr(optimizer_module, "_pinned", lambda state: None)  # needs CUDA
+    monkeypatch.setattr(optimizer_module, "_pinned", lambda state: [])  # needs CUDA
     monkeypatch.setattr(OffloadAdamW, "_on_device", lambda self, p: True)
     monkeypatch.setattr(OffloadAdamW, "_wait_for_devices", lambda self: None)
     g = torch.Generator().manual_seed(2)
@@ -162,3 +163,14 @@ def test_on_a_device_cuda_updates_match_the_host_update(
     assert (p_host - p_cuda).abs().max().item() <= tolerance
     for key in ("exp_avg", "exp_avg_sq"):
         torch.testing.assert_close(s_cuda[key], s_host[key], rtol=0.07, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_device_pinned_host_memory_is_reachable_and_pageable_is_not() -> None:
+    library = _kernel.CUDA_LIBRARY.load(required=True)
+    assert library is not None
+    backend = CudaBackend(library, TorchBackend())
+    backend.check_reachable(torch.zeros(10).pin_memory())
+    backend.check_reachable(torch.zeros(10, device="cuda"))
+    with pytest.raises(RuntimeError, match="cannot reach a host tensor"):
+        backend.check_reachable(torch.zeros(10))

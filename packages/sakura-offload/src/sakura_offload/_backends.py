@@ -206,6 +206,19 @@ class CudaBackend:
         self.host = host
         self.emulate = emulate
 
+    def check_reachable(self, tensor: torch.Tensor) -> None:
+        """Raise unless the kernel can address ``tensor`` in place: device memory, or
+        page-locked host memory mapped for the device (unified addressing)."""
+        if self.emulate:
+            return
+        status = self.library.sakura_offload_cuda_reachable(tensor.data_ptr())
+        if status != 0:
+            raise RuntimeError(
+                "sakura-offload: backend='cuda' cannot reach a host tensor of the optimizer "
+                f"state from the GPU (cudaError {status}; it needs page-locked memory under "
+                "unified addressing); use backend='auto'"
+            )
+
     def _launch(self, name: str, device: torch.device, *args: object) -> None:
         if self.emulate:
             getattr(self.library, f"sakura_adamw_{name}_emulate")(*args)

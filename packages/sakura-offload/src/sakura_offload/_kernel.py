@@ -98,6 +98,8 @@ def _declare_cuda(lib: ctypes.CDLL) -> None:
         emulate = getattr(lib, f"sakura_adamw_{name}_emulate")
         emulate.argtypes = list(args)
         emulate.restype = None
+    lib.sakura_offload_cuda_reachable.argtypes = [_P]
+    lib.sakura_offload_cuda_reachable.restype = _I32
 
 
 LIBRARY = NativeLibrary(

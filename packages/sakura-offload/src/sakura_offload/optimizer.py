@@ -55,12 +55,16 @@ def _is_direct(p: torch.Tensor) -> bool:
     return p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous()
 
 
-def _pinned(state: dict[str, Any]) -> None:
+def _pinned(state: dict[str, Any]) -> list[torch.Tensor]:
     """Page-lock the state's host tensors in place (the CUDA kernel reads and writes them
-    through their host addresses); a state loaded from a state dict is pageable."""
+    through their host addresses; a new state, or one loaded from a state dict, is
+    pageable); the tensors it pinned."""
+    pinned = []
     for key, value in state.items():
         if key != "step" and isinstance(value, torch.Tensor) and not value.is_pinned():
             state[key] = value.pin_memory()
+            pinned.append(state[key])
+    return pinned
 
 
 def _grad_hook(ref: weakref.ReferenceType[OffloadAdamW]) -> Callable[[torch.Tensor], None]:
@@ -292,8 +296,6 @@ class OffloadAdamW(torch.optim.Optimizer):
             dtype = torch.float32 if self.moment_dtype == "float32" else torch.bfloat16
             for key in _MOMENT_KEYS:
                 state[key] = torch.zeros(p.shape, dtype=dtype)
-        if self._on_device(p):
-            _pinned(state)
 
     def _update(self, p: torch.Tensor, group: dict[str, Any], grad_scale: float) -> None:
         grad = p.grad
@@ -321,7 +323,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         )
         on_device = self._on_device(p)
         if on_device:
-            _pinned(state)
+            for tensor in _pinned(state):
+                cast(CudaBackend, self.backend).check_reachable(tensor)
             self._devices.add(p.device)
             g = grad.detach().to(torch.float32).contiguous().view(-1)  # stays on the device
             backend = self.backend

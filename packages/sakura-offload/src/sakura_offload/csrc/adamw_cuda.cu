@@ -144,6 +144,20 @@ int sakura_offload_cuda_probe(void) {
   return count > 0 ? 0 : static_cast<int>(cudaErrorNoDevice);
 }
 
+// cudaSuccess (0) when the device can read and write p directly: device or managed memory,
+// or page-locked host memory whose device address is its host address (unified
+// addressing); another error code otherwise, so the caller raises instead of launching a
+// kernel that would fault.
+int sakura_offload_cuda_reachable(const void* p) {
+  cudaPointerAttributes attributes;
+  const cudaError_t status = cudaPointerGetAttributes(&attributes, p);
+  if (status != cudaSuccess) return static_cast<int>(status);
+  if (attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged)
+    return 0;
+  if (attributes.type == cudaMemoryTypeHost && attributes.devicePointer == p) return 0;
+  return static_cast<int>(cudaErrorInvalidValue);
+}
+
 int sakura_adamw_fp32_cuda(float* p, const float* g, float* m, float* v, int64_t n,
                            float decay, float w1, float beta2, float c2, float eps,
                            float neg_step, float bc2_sqrt, float grad_scale,
