@@ -13,8 +13,7 @@ import torch
 
 from sakura.native_cuda import find_nvcc
 from sakura_quant import _kernel
-from sakura_quant.formats import double_quant
-from sakura_quant.formats.nf4 import _code
+from sakura_quant.formats.nf4 import kernel_arguments
 from sakura_quant.weights import dequantize_weight, quantize_weight
 
 EXPORTS = {
@@ -78,31 +77,10 @@ def test_the_kernel_arithmetic_equals_the_torch_path(
     _, lib = built
     q = quantize_weight(_weight(shape, dtype), "nf4", block_size=block_size, double_quant=dq)
     reference = dequantize_weight(q, dtype).reshape(-1)
-    t = q.tensors
-    out = torch.empty(q.numel, dtype=dtype)
-    cpu = torch.device("cpu")
-    if dq:
-        absmax = None
-        scale_args = [
-            t["scales"].data_ptr(),
-            double_quant._code(cpu).data_ptr(),
-            t["scales_scale"].data_ptr(),
-            t["scales_offset"].reshape(1).data_ptr(),
-        ]
-    else:
-        absmax, scale_args = t["scales"].data_ptr(), [None] * 4
-    emulate = getattr(
-        lib, f"sakura_nf4_dequantize_emulate_{'f32' if dtype == torch.float32 else 'bf16'}"
-    )
-    emulate(
-        t["data"].data_ptr(),
-        absmax,
-        *scale_args,
-        q.numel,
-        block_size,
-        _code(cpu).data_ptr(),
-        out.data_ptr(),
-    )
+    # The arguments exactly as the package marshals them for the launch.
+    args, out, _alive = kernel_arguments(q.tensors, q.numel, block_size, dtype)
+    suffix = "f32" if dtype == torch.float32 else "bf16"
+    getattr(lib, f"sakura_nf4_dequantize_emulate_{suffix}")(*args)
     assert torch.equal(_bits(out), _bits(reference))
 
 

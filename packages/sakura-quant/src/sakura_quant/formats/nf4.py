@@ -192,36 +192,39 @@ def dequantize_cuda(
     lib = _kernel.CUDA_LIBRARY.load()
     if lib is None:
         return None
-    data, scales = data.contiguous(), scales.contiguous()
-    if scales.dtype == torch.uint8:  # double-quantized
-        absmax = None
-        dq: list[torch.Tensor | None] = [
+    args, out, _alive = kernel_arguments(tensors, numel, block_size, dtype)
+    with torch.cuda.device(device):
+        stream = torch.cuda.current_stream(device).cuda_stream
+        status = getattr(lib, f"sakura_nf4_dequantize_cuda_{suffix}")(*args, stream)
+    if status != 0:
+        raise RuntimeError(
+            f"sakura-quant: the CUDA NF4 kernel failed to launch (cudaError {status})"
+        )
+    return out
+
+
+def kernel_arguments(
+    tensors: dict[str, torch.Tensor], numel: int, block_size: int, dtype: torch.dtype
+) -> tuple[list[int | None], torch.Tensor, list[torch.Tensor]]:
+    """The arguments of the NF4 dequantize kernel before its stream (its host emulation
+    takes the same), the output they fill, and the tensors they point into (alive until
+    the kernel has run)."""
+    device = tensors["data"].device
+    data, scales = tensors["data"].contiguous(), tensors["scales"].contiguous()
+    parts: list[torch.Tensor | None]
+    if scales.dtype == torch.uint8:  # double-quantized: absmax, then codes, map, scale, offset
+        parts = [
+            None,
             scales,
             double_quant._code(device),
             tensors["scales_scale"].float().contiguous(),
             tensors["scales_offset"].float().reshape(1).contiguous(),
         ]
     else:
-        absmax, dq = scales, [None] * 4
+        parts = [scales, None, None, None, None]
     out = torch.empty(numel, dtype=dtype, device=device)
     code = _code(device)
-
-    def ptr(t: torch.Tensor | None) -> int | None:
-        return None if t is None else t.data_ptr()
-
-    with torch.cuda.device(device):
-        status = getattr(lib, f"sakura_nf4_dequantize_cuda_{suffix}")(
-            data.data_ptr(),
-            ptr(absmax),
-            *(ptr(t) for t in dq),
-            numel,
-            block_size,
-            code.data_ptr(),
-            out.data_ptr(),
-            torch.cuda.current_stream(device).cuda_stream,
-        )
-    if status != 0:
-        raise RuntimeError(
-            f"sakura-quant: the CUDA NF4 kernel failed to launch (cudaError {status})"
-        )
-    return out
+    pointers = [None if t is None else t.data_ptr() for t in parts]
+    args = [data.data_ptr(), *pointers, numel, block_size, code.data_ptr(), out.data_ptr()]
+    alive = [t for t in (data, *parts, code, out) if t is not None]
+    return args, out, alive
