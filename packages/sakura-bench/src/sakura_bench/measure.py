@@ -222,11 +222,14 @@ _PACKAGES = (
     "sakura-async",
     "sakura-precision",
     "sakura-zero",
+    "sakura-offload",
+    "sakura-quant",
     "torch",
     "lightning",
     "transformers",
     "accelerate",
     "peft",
+    "bitsandbytes",
 )
 
 
