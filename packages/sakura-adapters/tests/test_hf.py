@@ -29,6 +29,7 @@ from sakura import SakuraRuntime
 from sakura.events import (
     OnError,
     OnLoadCheckpoint,
+    OnTestBegin,
     OnTrainBegin,
     OnTrainStepEnd,
     OnValidationEpochBegin,
@@ -840,6 +841,10 @@ def test_stock_trainer_warns_about_events_it_never_emits(tmp_path, model, train_
     monitor = rt.install(BackwardMonitor())
     rt.install(LoopMonitor())
     rt.install(RecordingService())  # a catch-all takes whatever comes: no warning
+    # One on_event for several moments is alive when one of them comes: no warning ...
+    rt.install(RecordingService("first_of", event_types={OnTrainBegin, OnTestBegin}))
+    # ... and dead when none can.
+    rt.install(RecordingService("test_only", event_types={OnTestBegin}))
     trainer = Trainer(
         model=model,
         args=make_args(tmp_path),
@@ -850,7 +855,7 @@ def test_stock_trainer_warns_about_events_it_never_emits(tmp_path, model, train_
     with pytest.warns(UnemittedEventWarning) as record:
         trainer.train()
     messages = [str(w.message) for w in record if w.category is UnemittedEventWarning]
-    assert len(messages) == 2
+    assert len(messages) == 3
     assert messages[0].startswith(
         "sakura service 'grad_monitor' handles on_after_backward (OnAfterBackward), which "
         "HFAdapter under the stock transformers.Trainer never emits, so that handler will "
@@ -859,6 +864,7 @@ def test_stock_trainer_warns_about_events_it_never_emits(tmp_path, model, train_
     assert messages[0].endswith("which emits it")
     assert messages[1].startswith("sakura service 'test_watcher' handles on_test_begin")
     assert "the transformers.Trainer has no such moment" in messages[1]
+    assert messages[2].startswith("sakura service 'test_only' handles on_test_begin")
     assert monitor.calls == 0
 
 

@@ -113,11 +113,20 @@ def handled_events(service: object) -> frozenset[type[Event]]:
     """The events ``service`` handles by name (``on_<event>`` methods) or lists in
     ``event_types`` for its ``on_event``; a catch-all ``on_event`` without
     ``event_types`` takes whatever comes and is left out."""
-    events = {cls for hook, cls in EVENT_HOOKS.items() if callable(getattr(service, hook, None))}
+    return _named_handlers(service) | _on_event_types(service)
+
+
+def _named_handlers(service: object) -> frozenset[type[Event]]:
+    return frozenset(
+        cls for hook, cls in EVENT_HOOKS.items() if callable(getattr(service, hook, None))
+    )
+
+
+def _on_event_types(service: object) -> frozenset[type[Event]]:
     wanted = getattr(service, "event_types", None)
-    if wanted is not None and callable(getattr(service, "on_event", None)):
-        events.update(cls for cls in wanted if cls in _BY_NAME.values())
-    return frozenset(events)
+    if wanted is None or not callable(getattr(service, "on_event", None)):
+        return frozenset()
+    return frozenset(cls for cls in wanted if cls in _BY_NAME.values())
 
 
 def warn_unemitted(
@@ -127,7 +136,8 @@ def warn_unemitted(
     where: str,
     fix: Callable[[type[Event]], str],
 ) -> list[tuple[str, type[Event]]]:
-    """Warn once per installed service and event it handles that is not in ``emitted``.
+    """Warn once per installed service and event it handles that is not in ``emitted``
+    (for an ``on_event`` with ``event_types``: when none of those events is emitted).
 
     ``where`` names the adapter and framework (``"HFAdapter under the stock
     transformers.Trainer"``); ``fix(event)`` says what to do.  Returns the (service name,
@@ -138,7 +148,13 @@ def warn_unemitted(
     reachable = emitted | _ALWAYS_EMITTED
     found: list[tuple[str, type[Event]]] = []
     for service in rt.services:
-        for event in sorted(handled_events(service) - reachable, key=EVENT_TYPES.index):
+        dead = _named_handlers(service) - reachable
+        # One on_event handler listening to several events (the first of whichever moments
+        # this loop has, say) is dead only when none of them can come.
+        listened = _on_event_types(service)
+        if listened and not listened & reachable:
+            dead |= listened
+        for event in sorted(dead, key=EVENT_TYPES.index):
             found.append((service.name, event))
             warnings.warn(
                 f"sakura service {service.name!r} handles {event.hook} ({event.__name__}), "
