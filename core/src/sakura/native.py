@@ -40,6 +40,7 @@ torch is imported only when a kernel is built: ``import sakura`` stays torch-fre
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -59,9 +60,16 @@ DEFAULT_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
 DEFAULT_LDFLAGS = ("-fopenmp",)
 
 
+@functools.cache
 def cpu_tag() -> str:
-    """A short hash of this CPU's architecture and feature flags."""
-    text = platform.machine() + platform.processor()
+    """A short hash of this CPU's architecture and feature flags.
+
+    On Linux the flags come from ``/proc/cpuinfo``. ``platform.processor()`` is asked only
+    where that file does not exist: on Linux it runs ``uname -p`` in a child process, and a
+    child forked from a large training process shows that process's whole resident memory
+    in peak-RSS figures of its children.
+    """
+    text = platform.machine()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as info:
             for line in info:
@@ -69,7 +77,7 @@ def cpu_tag() -> str:
                     text += line
                     break
     except OSError:
-        pass
+        text += platform.processor()
     return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
