@@ -26,7 +26,55 @@ __all__ = ["CausalLMWorkload", "Llama3Finetune", "Mistral7BLoRA"]
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-class CausalLMWorkload(Workload):
+class CausalLMObjective(Workload):
+    """What every causal-LM workload shares: AdamW over the trainable parameters, the
+    model's own loss, held-out loss sums (labels shifted by one, ``-100`` ignored) and the
+    perplexity computed from them."""
+
+    eval_inputs: ClassVar[tuple[str, ...]] = ("input_ids", "attention_mask")
+    """The batch entries the evaluation forward takes (packed rows use position_ids)."""
+
+    def make_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        params = [p for p in model.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=float(self.config["lr"]), weight_decay=0.0)
+
+    def loss(self, model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+        return model(**batch).loss  # type: ignore[no-any-return]
+
+    def eval_batch(self, model: nn.Module, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        logits = model(**{name: batch[name] for name in self.eval_inputs}).logits
+        labels = batch["labels"][:, 1:]
+        shifted = logits[:, :-1].float()
+        loss_sum = nn.functional.cross_entropy(
+            shifted.reshape(-1, shifted.shape[-1]),
+            labels.reshape(-1),
+            ignore_index=-100,
+            reduction="sum",
+        )
+        return {"loss_sum": loss_sum, "count": (labels != -100).sum()}
+
+    def complete_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        if "val_loss" in metrics:
+            metrics["val_ppl"] = math.exp(min(metrics["val_loss"], 700.0))
+        return metrics
+
+
+class AdapterEvalState:
+    """For workloads that train adapters only: the evaluation snapshot is the trainable
+    tensors, loaded into the evaluator's model with ``strict=False``."""
+
+    def eval_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+        return {k: v for k, v in model.state_dict().items() if k in trainable}
+
+    def load_eval_state(self, model: nn.Module, state: Mapping[str, torch.Tensor]) -> nn.Module:
+        result = model.load_state_dict(state, strict=False)
+        if result.unexpected_keys:
+            raise KeyError(f"LoRA state has unexpected keys: {result.unexpected_keys[:5]}")
+        return model
+
+
+class CausalLMWorkload(CausalLMObjective):
     """Shared data, loss and evaluation of the causal-LM workloads."""
 
     hf_shaped = True
@@ -73,30 +121,6 @@ class CausalLMWorkload(Workload):
         else:
             model = causal_lm(self.kind, self.config)
         return model.to(dtype) if dtype is not None else model
-
-    def make_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        params = [p for p in model.parameters() if p.requires_grad]
-        return torch.optim.AdamW(params, lr=float(self.config["lr"]), weight_decay=0.0)
-
-    def loss(self, model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
-        return model(**batch).loss  # type: ignore[no-any-return]
-
-    def eval_batch(self, model: nn.Module, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        labels = batch["labels"][:, 1:]
-        shifted = logits[:, :-1].float()
-        loss_sum = nn.functional.cross_entropy(
-            shifted.reshape(-1, shifted.shape[-1]),
-            labels.reshape(-1),
-            ignore_index=-100,
-            reduction="sum",
-        )
-        return {"loss_sum": loss_sum, "count": (labels != -100).sum()}
-
-    def complete_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
-        if "val_loss" in metrics:
-            metrics["val_ppl"] = math.exp(min(metrics["val_loss"], 700.0))
-        return metrics
 
 
 class Llama3Finetune(CausalLMWorkload):
@@ -158,7 +182,7 @@ class Llama3Finetune(CausalLMWorkload):
         return self._base_model()
 
 
-class Mistral7BLoRA(CausalLMWorkload):
+class Mistral7BLoRA(AdapterEvalState, CausalLMWorkload):
     """LoRA on a Mistral-7B-shaped model: adapters of rank ``lora_r`` on every attention
     and MLP projection (``peft``), the base frozen (bf16 on a GPU at full scale)."""
 
@@ -229,13 +253,3 @@ class Mistral7BLoRA(CausalLMWorkload):
         )
         torch.manual_seed(self.seed + 1)
         return peft.get_peft_model(base, config)  # type: ignore[no-any-return]
-
-    def eval_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        trainable = {name for name, p in model.named_parameters() if p.requires_grad}
-        return {k: v for k, v in model.state_dict().items() if k in trainable}
-
-    def load_eval_state(self, model: nn.Module, state: Mapping[str, torch.Tensor]) -> nn.Module:
-        result = model.load_state_dict(state, strict=False)
-        if result.unexpected_keys:
-            raise KeyError(f"LoRA state has unexpected keys: {result.unexpected_keys[:5]}")
-        return model

@@ -30,7 +30,6 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
-import math
 import os
 import shutil
 import tempfile
@@ -42,7 +41,8 @@ import torch
 from torch import nn
 
 from sakura_bench.errors import BenchError
-from sakura_bench.workload import Split, Workload
+from sakura_bench.workload import Split
+from sakura_bench.workloads.llm import AdapterEvalState, CausalLMObjective
 
 __all__ = [
     "GGUF_DISTRIBUTION",
@@ -66,12 +66,13 @@ VARIANTS: Mapping[str, str] = {
 }
 
 
-class QLoRAWorkload(Workload):
+class QLoRAWorkload(AdapterEvalState, CausalLMObjective):
     """Shared data, model, loss and evaluation of the QLoRA workloads."""
 
     hf_shaped = True
     grad_clip = 1.0
     variants = VARIANTS
+    eval_inputs = ("input_ids", "position_ids")  # packed rows: positions restart per document
     _cache: tuple[Split, Split] | None = None
 
     # --- data -----------------------------------------------------------------------
@@ -138,42 +139,6 @@ class QLoRAWorkload(Workload):
         )
         torch.manual_seed(self.seed + 1)
         return peft.get_peft_model(base, config)  # type: ignore[no-any-return]
-
-    def make_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        params = [p for p in model.parameters() if p.requires_grad]
-        return torch.optim.AdamW(params, lr=float(self.config["lr"]), weight_decay=0.0)
-
-    # --- step and evaluation --------------------------------------------------------
-
-    def loss(self, model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
-        return model(**batch).loss  # type: ignore[no-any-return]
-
-    def eval_batch(self, model: nn.Module, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-        labels = batch["labels"][:, 1:]
-        shifted = logits[:, :-1].float()
-        loss_sum = nn.functional.cross_entropy(
-            shifted.reshape(-1, shifted.shape[-1]),
-            labels.reshape(-1),
-            ignore_index=-100,
-            reduction="sum",
-        )
-        return {"loss_sum": loss_sum, "count": (labels != -100).sum()}
-
-    def complete_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
-        if "val_loss" in metrics:
-            metrics["val_ppl"] = math.exp(min(metrics["val_loss"], 700.0))
-        return metrics
-
-    def eval_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        trainable = {name for name, p in model.named_parameters() if p.requires_grad}
-        return {k: v for k, v in model.state_dict().items() if k in trainable}
-
-    def load_eval_state(self, model: nn.Module, state: Mapping[str, torch.Tensor]) -> nn.Module:
-        result = model.load_state_dict(state, strict=False)
-        if result.unexpected_keys:
-            raise KeyError(f"LoRA state has unexpected keys: {result.unexpected_keys[:5]}")
-        return model
 
 
 def bnb_nf4(model: Any, skip: tuple[str, ...] = ("lm_head",)) -> int:
