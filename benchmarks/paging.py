@@ -14,13 +14,14 @@ trial:
 * ``page-disk``       every block's saved tensors in memory-mapped files (``--directory``)
 * ``recompute``       every block recomputed in backward (non-reentrant checkpoint)
 * ``planner``         ``MemoryPlanner`` with the budget: its own mix
-* ``hf-checkpointing`` transformers' ``gradient_checkpointing_enable()`` (the rival of
-                      ``recompute``)
+* ``hf-checkpointing`` transformers' own non-reentrant checkpointing
+                      (``activation_checkpointing_enable()``; the rival of ``recompute``)
 
 Reported per variant: the peak of saved-activation bytes (counted by the planner's
 tracking hooks on one extra step, beside the planner's estimate; not counted for
 ``hf-checkpointing``, whose checkpoints hide what they hold from saved-tensor hooks),
-whether it meets the budget, the process's peak RSS above its level before the step (``VmHWM`` reset through
+whether it meets the budget, the process's peak RSS above its level before the step
+(freed heap returned with ``malloc_trim`` first, then ``VmHWM`` reset through
 ``/proc/self/clear_refs``; Linux), the step time (median over trials of the per-trial
 mean, min-max spread) and its ratio to ``keep`` (median and spread of the per-trial
 ratios), with the load average before and after.  Run: ``python benchmarks/paging.py``
@@ -63,6 +64,17 @@ def _status(field: str) -> int | None:
     except OSError:
         return None
     return None
+
+
+def trim_heap() -> None:
+    """Return freed heap memory to the OS (glibc's ``malloc_trim``), so that RSS measures
+    what a step allocates rather than what earlier steps freed but the allocator kept."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def reset_peak_rss() -> bool:
@@ -129,7 +141,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for name in args.variants:
         model = make_model(args)
         if name == "hf-checkpointing":
-            model.gradient_checkpointing_enable({"use_reentrant": False})
+            enable = getattr(model, "activation_checkpointing_enable", None)
+            if enable is None:  # transformers before 5.x
+                enable = model.gradient_checkpointing_enable
+            enable({"use_reentrant": False})
         elif name == "keep":
             pass  # the plain model
         else:
@@ -151,6 +166,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for name in args.variants:
             model = models[name]
             gc.collect()
+            trim_heap()
             base = _status("VmRSS")
             if can_reset:
                 reset_peak_rss()
