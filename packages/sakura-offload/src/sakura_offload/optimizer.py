@@ -150,6 +150,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.backend: Backend = resolve_backend(options["backend"])
         self._devices: set[torch.device] = set()  # with CUDA updates not yet waited for
+        # The export to torch.optim.AdamW's layout is the first state-dict post-hook, so
+        # hooks registered later (sakura-zero's consolidation, which may hand back the whole
+        # gathered state instead) see AdamW's layout, never the packed moments.
+        self.register_state_dict_post_hook(OffloadAdamW._export_hook, prepend=True)
 
     # --- construction -------------------------------------------------------------------
 
@@ -357,10 +361,15 @@ class OffloadAdamW(torch.optim.Optimizer):
         ``exp_avg_sq`` (always float32, in the parameter's shape), plus ``master`` (the fp32
         master weights) for parameters that have one."""
         self._wait_for_devices()
-        packed = super().state_dict()
-        params = self._params()
+        return super().state_dict()  # exported by _export_hook, the first post-hook
+
+    @staticmethod
+    def _export_hook(optimizer: torch.optim.Optimizer, packed: dict[str, Any]) -> dict[str, Any]:
+        if not isinstance(optimizer, OffloadAdamW):  # registered on OffloadAdamW only
+            raise TypeError(f"not an OffloadAdamW: {type(optimizer).__name__}")
+        params = optimizer._params()
         packed["state"] = {
-            index: self._export_state(params[index], state)
+            index: optimizer._export_state(params[index], state)
             for index, state in packed["state"].items()
         }
         return packed
@@ -383,7 +392,21 @@ class OffloadAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a state dict of this class or of :class:`torch.optim.AdamW` (moments of any
         float dtype, converted to ``moment_dtype``; masters taken from the parameters when the
-        dict has none)."""
+        dict has none).
+
+        The conversion cannot go through :meth:`torch.optim.Optimizer.load_state_dict`
+        (it would cast the moments to each parameter's dtype), so the load hooks registered
+        on this optimizer (sakura-zero's, for one) are run here, as torch runs them."""
+        state_dict = dict(state_dict)  # the hooks take (and may replace) a dict
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        self._load_state(state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _load_state(self, state_dict: Mapping[str, Any]) -> None:
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(
