@@ -5,7 +5,7 @@ so that the saved activations fit a memory budget at the least estimated extra t
 How it works:
 
 1. *Measure.*  The blocks are found as sakura-precision's ``ActivationCheckpoint`` finds
-   them (:mod:`sakura_offload._blocks`) and each block's ``forward`` is wrapped.  On one or
+   them (:mod:`sakura.blocks`) and each block's ``forward`` is wrapped.  On one or
    more real forward passes (a sample batch given to :meth:`MemoryPlanner.plan`, or the
    first training steps under the ``memory_plan`` service) saved-tensor hooks record, per
    block: the bytes of the storages autograd saves (each storage counted once, by the
@@ -67,8 +67,8 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 from sakura import Service
+from sakura.blocks import find_blocks, validate_selector
 from sakura.options import check_bool, check_choice, check_int, check_number, option_error
-from sakura_offload._blocks import find_blocks, validate_selector
 from sakura_offload.paging import ActivationPaging, is_broadcast, is_dense
 
 __all__ = [

@@ -3,7 +3,7 @@ copied to the compute device only while their block runs, forward and backward, 
 next blocks prefetched.
 
 ``WeightPaging(model)`` finds the repeated block stack (as sakura-precision's
-``ActivationCheckpoint`` does, see :mod:`sakura_offload._blocks`) and, for each selected
+``ActivationCheckpoint`` does, see :mod:`sakura.blocks`) and, for each selected
 block, moves its frozen (``requires_grad=False``) parameters to a host store: page-locked
 RAM when the compute device is a CUDA GPU.  Between uses ``param.data`` *is* that host
 tensor, so ``state_dict()``, ``named_parameters()`` and shapes stay as they were.
@@ -57,8 +57,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from sakura.blocks import find_blocks, validate_selector
 from sakura.options import check_choice, check_int, option_error
-from sakura_offload._blocks import find_blocks, validate_selector
 
 __all__ = ["WeightPaging", "WeightPagingStats", "frozen_block_bytes"]
 
