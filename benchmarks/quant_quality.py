@@ -36,11 +36,13 @@ the median and the min-max spread of "after"; "before" is deterministic.
 Reported: perplexity, its change against ``none``, bytes per weight of the quantized layers,
 the seconds per format, the load average.
 
-Run: ``python benchmarks/quant_quality.py`` (the formats the targets name, short windows and
-fine-tune: about 4 minutes on 2 idle cores, 1 thread).  The long form, the table in
+Run: ``python benchmarks/quant_quality.py`` (the 7 formats the targets name, 4 windows, 3
+one-row fine-tune steps, the tiny model pretrained 150 steps: a few minutes, about a quarter
+of the long form's work per format).  The long form, the table in
 packages/sakura-quant/README.md: ``python benchmarks/quant_quality.py --long`` (every format,
 8 windows of 128 tokens, 4 fine-tune steps of 2 rows, the tiny model pretrained 400 steps and
-fine-tuned 3 times: about 30 minutes on 2 idle cores).
+fine-tuned 3 times: 56 minutes on a shared 2-core machine at load 6-7, 1 thread).
+``--first-seed N`` adds fine-tunes with seeds N.. to an earlier run ("before" repeats exactly).
 """
 
 from __future__ import annotations
@@ -111,6 +113,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--keep-precise", default="auto", help="keep_precise of nf4-k / nvfp4-k (auto)")
     p.add_argument("--repeat", type=int, default=1, help="SmolLM2 fine-tunes per format (1)")
     p.add_argument("--tiny-repeat", type=int, help="tiny-model fine-tunes per format (1)")
+    p.add_argument("--first-seed", type=int, default=0, help="seeds first.. (0; to add runs)")
     p.add_argument("--tiny-steps", type=int, help="pretraining steps of tiny (150)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", help="write the results here too")
@@ -305,14 +308,14 @@ def run_model(which: str, args: argparse.Namespace) -> dict[str, Any]:
     for fmt in args.formats:
         started = time.perf_counter()
         row: dict[str, Any] = {"after": []}
-        for seed in range(repeat):
+        for seed in range(args.first_seed, args.first_seed + repeat):
             model = copy.deepcopy(base)
             stats = quantize(model, fmt, args)
             if stats.get("bytes_before"):
                 row["bytes_per_weight"] = stats["bytes_after"] / (stats["bytes_before"] / 4)
                 row["kept_precise"] = stats.get("kept_precise", 0)
             lora = with_lora(model, args, seed)
-            if seed == 0:
+            if seed == args.first_seed:
                 row["before"] = perplexity(lora, eval_tokens, args.windows, args.seq)
             if args.train_steps:
                 finetune(lora, train_tokens, args, seed)

@@ -43,8 +43,9 @@ median and min-max over trials of ``bnb step / sakura step`` (> 1: sakura is fas
 ``--profile`` then traces one more step of each with ``torch.profiler`` and prints the
 operators with the most self CPU time.
 
-Run: ``python benchmarks/quant_speed.py`` (about 4 minutes on 2 idle cores, 1 thread); the
-long form: ``--long`` (9 trials, 9 QLoRA trials of 2 x 256 tokens, and ``--load-rss``).
+Run: ``python benchmarks/quant_speed.py`` (12 minutes on a shared 2-core machine at load 7,
+1 thread; SmolLM2's loading and torchao's quantize take much of it); the long form:
+``--long`` (9 trials, 9 QLoRA trials of 2 x 256 tokens, and ``--load-rss``: 26 minutes there).
 ``--help`` for the rest.
 """
 
