@@ -26,6 +26,20 @@ __all__ = ["CausalLMWorkload", "Llama3Finetune", "Mistral7BLoRA"]
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+def with_lora(peft: Any, base: nn.Module, r: int, *, dropout: float, seed: int) -> nn.Module:
+    """``base`` with PEFT LoRA of rank ``r`` (alpha 2r) on every projection; the adapters
+    are initialised from ``seed + 1``."""
+    config = peft.LoraConfig(
+        r=r,
+        lora_alpha=2 * r,
+        lora_dropout=dropout,
+        target_modules=list(LORA_TARGETS),
+        task_type="CAUSAL_LM",
+    )
+    torch.manual_seed(seed + 1)
+    return peft.get_peft_model(base, config)  # type: ignore[no-any-return]
+
+
 class CausalLMObjective(Workload):
     """What every causal-LM workload shares: AdamW over the trainable parameters, the
     model's own loss, held-out loss sums (labels shifted by one, ``-100`` ignored) and the
@@ -243,13 +257,4 @@ class Mistral7BLoRA(AdapterEvalState, CausalLMWorkload):
 
         peft = require("peft", "hf")
         base = self._base_model()
-        r = int(self.config["lora_r"])
-        config = peft.LoraConfig(
-            r=r,
-            lora_alpha=2 * r,
-            lora_dropout=0.05,
-            target_modules=list(LORA_TARGETS),
-            task_type="CAUSAL_LM",
-        )
-        torch.manual_seed(self.seed + 1)
-        return peft.get_peft_model(base, config)  # type: ignore[no-any-return]
+        return with_lora(peft, base, int(self.config["lora_r"]), dropout=0.05, seed=self.seed)

@@ -42,7 +42,7 @@ from torch import nn
 
 from sakura_bench.errors import BenchError
 from sakura_bench.workload import Split
-from sakura_bench.workloads.llm import AdapterEvalState, CausalLMObjective
+from sakura_bench.workloads.llm import AdapterEvalState, CausalLMObjective, with_lora
 
 __all__ = [
     "GGUF_DISTRIBUTION",
@@ -129,16 +129,7 @@ class QLoRAWorkload(AdapterEvalState, CausalLMObjective):
         base.requires_grad_(False)
         if self.variant == "peft-bnb":
             bnb_nf4(base)
-        r = int(self.config["lora_r"])
-        config = peft.LoraConfig(
-            r=r,
-            lora_alpha=2 * r,
-            lora_dropout=0.0,
-            target_modules=list(LORA_TARGETS),
-            task_type="CAUSAL_LM",
-        )
-        torch.manual_seed(self.seed + 1)
-        return peft.get_peft_model(base, config)  # type: ignore[no-any-return]
+        return with_lora(peft, base, int(self.config["lora_r"]), dropout=0.0, seed=self.seed)
 
 
 def bnb_nf4(model: Any, skip: tuple[str, ...] = ("lm_head",)) -> int:
