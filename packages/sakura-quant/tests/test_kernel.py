@@ -34,7 +34,10 @@ def _both(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    ("shape", "block_size"), [((64, 64), 64), ((33, 51), 64), ((7, 9), 2), ((40, 96), 256)]
+    ("shape", "block_size"),
+    # blocks of 32-value multiples (the AVX-512 path only), blocks with a scalar tail
+    # (100 = 3 * 32 + 4), a ragged last block, and blocks too small for the vector path
+    [((64, 64), 64), ((33, 51), 64), ((7, 9), 2), ((40, 96), 256), ((12, 100), 100)],
 )
 def test_kernel_equals_torch_path(
     monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, shape: tuple[int, int], block_size: int
