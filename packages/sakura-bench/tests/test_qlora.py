@@ -106,15 +106,18 @@ def test_peft_bnb_variant_is_stock_peft_over_bitsandbytes_nf4() -> None:
     assert all(isinstance(m.base_layer, bnb.nn.Linear4bit) for m in layers)
     assert all(m.base_layer.weight.quant_type == "nf4" for m in layers)
 
-    def first_loss(**kw: Any) -> float:
-        config = TrialConfig("tiny-llama-qlora", scale="tiny", epochs=1, warmup_steps=0, **kw)
+    def losses(**kw: Any) -> list[float]:
+        config = TrialConfig("tiny-llama-qlora", scale="tiny", epochs=2, warmup_steps=0, **kw)
         result = run_trial(config)
         assert result["errors"] == []
-        return float(result["epochs"][0]["train_loss"])
+        return [float(e["train_loss"]) for e in result["epochs"]]
 
-    bnb_loss = first_loss(runner="baseline", framework="pytorch-ddp", variant="peft-bnb")
-    sakura_loss = first_loss(runner="sakura", framework="pytorch-ddp", services=["quant:nf4"])
-    assert bnb_loss == pytest.approx(sakura_loss, rel=1e-4)
+    bnb = losses(runner="baseline", framework="pytorch-ddp", variant="peft-bnb")
+    sakura = losses(runner="sakura", framework="pytorch-ddp", services=["quant:nf4"])
+    # The second epoch follows an evaluation: bitsandbytes' eval-time repacking for its
+    # inference kernel (which drops the input gradient) must not reach the training steps.
+    assert bnb == pytest.approx(sakura, rel=1e-4)
+    assert all(not m.base_layer.support_avx512bf16_for_cpu for m in layers)
 
 
 def test_packed_stdlib_split() -> None:

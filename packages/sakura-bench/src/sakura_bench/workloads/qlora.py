@@ -165,6 +165,12 @@ def bnb_nf4(model: Any, skip: tuple[str, ...] = ("lm_head",)) -> int:
             )
             if child.bias is not None:
                 layer.bias = nn.Parameter(child.bias.data, requires_grad=False)
+            # bitsandbytes 0.50 repacks a CPU Linear4bit for its bf16 inference kernel at the
+            # first eval-mode forward (on CPUs with AVX512-BF16) and never unpacks it: the
+            # training steps after an evaluation then run that kernel, which has no backward,
+            # so no gradient reaches the layer's input.  The rival must train as bitsandbytes'
+            # training path does, every epoch: keep the layer in its training layout.
+            layer.support_avx512bf16_for_cpu = False
             setattr(module, name, layer.to(child.weight.device))
             replaced += 1
     model.is_loaded_in_4bit = True
