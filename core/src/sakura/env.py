@@ -9,12 +9,20 @@ what is accepted, never silently "false".
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from sakura.errors import ConfigError
 
-__all__ = ["FALSE_WORDS", "TRUE_WORDS", "cache_dir", "env_flag", "env_int", "env_list"]
+__all__ = [
+    "FALSE_WORDS",
+    "TRUE_WORDS",
+    "cache_dir",
+    "env_choice",
+    "env_flag",
+    "env_int",
+    "env_list",
+]
 
 TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 FALSE_WORDS = frozenset({"0", "false", "no", "off", ""})
@@ -67,6 +75,26 @@ def env_int(
         accepted = "an integer" + (f" >= {minimum}" if minimum is not None else "")
         raise ConfigError(f"{name}={env[name]!r} is not accepted; accepted: {accepted}")
     return value
+
+
+def env_choice(
+    name: str,
+    choices: Sequence[str],
+    default: str | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> str | None:
+    """One of ``choices`` in ``name`` (stripped, any case: the choice as spelt in
+    ``choices`` is returned); ``default`` when unset or empty."""
+    env = os.environ if environ is None else environ
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    for choice in choices:
+        if raw.lower() == choice.lower():
+            return choice
+    accepted = ", ".join(repr(c) for c in choices)
+    raise ConfigError(f"{name}={env[name]!r} is not accepted; accepted: {accepted}")
 
 
 def cache_dir(

@@ -168,6 +168,7 @@ def test_config_round_trip_and_bad_options() -> None:
         ({"format": "nf4", "error_iters": 3}, "error_iters=3"),
         ({"format": "nf4", "skip": "lm_head"}, "skip='lm_head'"),
         ({"format": "nf4", "quant_method": "bitsandbytes"}, "quant_method='bitsandbytes'"),
+        ({"format": "nf4", "matmul_dtype": "fp64"}, "matmul_dtype='fp64'"),
     ]
     model = torch.nn.Sequential(torch.nn.Linear(4, 4)).requires_grad_(False)
     for options, shown in bad:
@@ -183,6 +184,19 @@ def test_config_round_trip_and_bad_options() -> None:
             ).removeprefix("quantize_model")
     with pytest.raises(OptionError, match="block_size=3"):
         SakuraQuantConfig.from_dict({**data, "block_size": 3})
+
+
+def test_matmul_dtype_is_saved_and_applied_on_reload(tmp_path: Path) -> None:
+    _tiny_llama().save_pretrained(tmp_path / "fp")
+    config = SakuraQuantConfig("nf4", matmul_dtype="bf16")
+    model = _load(tmp_path / "fp", quantization_config=config)
+    for again in (model, None):
+        if again is None:
+            model.save_pretrained(tmp_path / "q")
+            again = _load(tmp_path / "q")
+            assert again.config.quantization_config.matmul_dtype == "bfloat16"
+        layers = [m for m in again.modules() if isinstance(m, QuantizedLinear)]
+        assert len(layers) == 14 and all(m.matmul_dtype == torch.bfloat16 for m in layers)
 
 
 def test_dequantize_gives_plain_linears(tmp_path: Path) -> None:

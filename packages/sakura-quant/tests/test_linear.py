@@ -46,6 +46,41 @@ def test_bf16_input_gives_bf16_output_and_gradient() -> None:
     assert x.grad is not None and x.grad.dtype == torch.bfloat16
 
 
+def test_matmul_dtype_bf16_under_an_fp32_input() -> None:
+    """``matmul_dtype=bf16``: both products run in bf16 on the weight expanded straight to
+    bf16 (as bitsandbytes' ``compute_dtype``); output and input gradient come back fp32."""
+    layer = nn.Linear(128, 48, bias=False)
+    q = QuantizedLinear.from_linear(layer, "nf4", matmul_dtype="bf16")
+    assert q.matmul_dtype == torch.bfloat16 and "matmul_dtype=bfloat16" in repr(q)
+    x = torch.randn(6, 128, requires_grad=True)
+    out = q(x)
+    assert out.dtype == torch.float32
+    w16 = q.dequantize(torch.bfloat16)
+    # The reference: the same bf16 operands through F.linear (tolerance zero), and within
+    # bf16 rounding of the fp32 product.
+    assert torch.equal(out, F.linear(x.detach().bfloat16(), w16).float())
+    fp32 = F.linear(x.detach(), q.dequantize(torch.float32))
+    torch.testing.assert_close(out, fp32, rtol=2e-2, atol=2e-2)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    assert x.grad is not None and x.grad.dtype == torch.float32
+    assert torch.equal(x.grad, (grad.bfloat16() @ w16).float())
+    # Switchable per layer at any time; None goes back to the input's dtype.
+    q.matmul_dtype = None
+    assert torch.equal(q(x.detach()), fp32)
+    with pytest.raises(OptionError, match=r"QuantizedLinear: matmul_dtype='int8'.*'bf16'"):
+        QuantizedLinear.from_linear(layer, "nf4", matmul_dtype="int8")
+
+
+def test_quantize_model_matmul_dtype(make_tiny_lm: Callable[[], nn.Module]) -> None:
+    model = make_tiny_lm().requires_grad_(False)
+    quantize_model(model, "nf4", matmul_dtype=torch.bfloat16)
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert layers and all(m.matmul_dtype == torch.bfloat16 for m in layers)
+    with pytest.raises(OptionError, match=r"quantize_model: matmul_dtype='half'"):
+        quantize_model(make_tiny_lm().requires_grad_(False), "nf4", matmul_dtype="half")
+
+
 def test_is_a_linear_with_what_peft_reads() -> None:
     q = QuantizedLinear.from_linear(nn.Linear(64, 16).bfloat16(), "nf4")
     assert isinstance(q, nn.Linear)

@@ -67,6 +67,9 @@ def test_tied_head_and_dtype(tmp_path: Path) -> None:
     ids = torch.randint(0, 64, (1, 8))
     with torch.no_grad():
         assert loaded(ids).logits.dtype == torch.bfloat16
+    fp32_in_bf16 = load_model(tmp_path, "nf4", matmul_dtype="bf16")
+    q = fp32_in_bf16.model.layers[0].self_attn.q_proj
+    assert q.compute_dtype == torch.float32 and q.matmul_dtype == torch.bfloat16
 
 
 def test_unquantized_load_is_exact(tmp_path: Path) -> None:

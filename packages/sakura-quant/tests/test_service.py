@@ -29,6 +29,10 @@ def test_spec_strings_build_the_service() -> None:
     service = manager.create("service", "quant:int8,block_size=128,double_quant=true")
     assert (service.format, service.block_size, service.double_quant) == ("int8", 128, True)
     assert manager.create("service", "quant:fp8").block_size == 32
+    service = manager.create("service", "quant:nf4,matmul_dtype=bf16")
+    assert service.matmul_dtype == torch.bfloat16 and "matmul_dtype='bfloat16'" in repr(service)
+    with pytest.raises(SpecError, match=r"QuantizedBase: matmul_dtype='int4'"):
+        manager.create("service", "quant:nf4,matmul_dtype=int4")
     with pytest.raises(SpecError, match=r"QuantizedBase: format='fp4'.*accepted: 'int8'"):
         manager.create("service", "quant:fp4")
     with pytest.raises(SpecError, match=r"QuantizedBase: block_size=3"):

@@ -6,7 +6,10 @@ that are not contiguous fp32 CPU tensors (bf16/fp16 weights, weights on an accel
 an fp32 master copy in host RAM: the update runs on the master and the result is copied
 back, rounded to the parameter's dtype.  With ``backend="cuda"`` the update of a parameter
 on a CUDA device runs there instead, in the CUDA kernel, which reads and writes the moments
-and master weights where they are, in page-locked host RAM.
+and master weights where they are, in page-locked host RAM.  Otherwise a CUDA parameter's
+update runs on the host without stalling the GPU: its gradient is copied off on a side
+stream and the update runs on a worker thread once the copy is there, waited for by the
+poll-then-sleep policy (:mod:`sakura_offload.device_stream`, :mod:`sakura_offload.event_wait`).
 
 Every parameter carries a post-accumulate-grad hook that counts backward passes: more than
 ``accumulation_steps`` of them before ``step()`` / ``zero_grad()`` raise, and with
@@ -28,6 +31,8 @@ from sakura_offload import _formats as fmt
 from sakura_offload._backends import Backend, CudaBackend, Hyper, KernelBackend, TorchBackend
 from sakura_offload._kernel import load_cuda_kernel, load_kernel
 from sakura_offload._options import check_group, check_optimizer_options
+from sakura_offload.device_stream import CudaTransfer, DeviceTransfer, HostPipeline
+from sakura_offload.event_wait import EventWait
 
 __all__ = ["OffloadAdamW", "resolve_backend"]
 
@@ -150,6 +155,14 @@ class OffloadAdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.backend: Backend = resolve_backend(options["backend"])
         self._devices: set[torch.device] = set()  # with CUDA updates not yet waited for
+        # Host updates of CUDA parameters: side-stream copies, a worker thread, event waits
+        # (SAKURA_OFFLOAD_EVENT_*, read and checked now).
+        self.event_wait = EventWait.from_env()
+        self._transfer: DeviceTransfer | None = (
+            CudaTransfer() if torch.cuda.is_available() else None
+        )
+        self._pipeline: HostPipeline | None = None
+        self._grad_buffers: dict[torch.Tensor, torch.Tensor] = {}
         # The export to torch.optim.AdamW's layout is the first state-dict post-hook, so
         # hooks registered later (sakura-zero's consolidation, which may hand back the whole
         # gathered state instead) see AdamW's layout, never the packed moments.
@@ -224,6 +237,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._updated.add(p)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._wait_for_devices()  # no gradient is zeroed while a copy of it is queued
         super().zero_grad(set_to_none)
         self._counts.clear()
         self._updated.clear()
@@ -279,7 +293,12 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def _wait_for_devices(self) -> None:
         """Wait for the CUDA updates in flight: they write host RAM that the caller may read
-        next (a state dict)."""
+        next (a state dict).  Then the host updates of CUDA parameters: the worker's jobs
+        are drained and the compute streams wait for the copies back to the parameters."""
+        if self._pipeline is not None:
+            self._pipeline.drain()
+        if self._transfer is not None:
+            self._transfer.order_compute()
         for device in self._devices:
             torch.cuda.current_stream(device).synchronize()
         self._devices.clear()
@@ -326,6 +345,10 @@ class OffloadAdamW(torch.optim.Optimizer):
             key=fmt.stream_key(self.seed, step, self._index[p]),
         )
         on_device = self._on_device(p)
+        transfer = self._transfer
+        if not on_device and transfer is not None and transfer.handles(p):
+            self._update_through_host(p, state, grad, h, transfer)
+            return
         if on_device:
             for tensor in _pinned(state):
                 cast(CudaBackend, self.backend).check_reachable(tensor)
@@ -337,7 +360,16 @@ class OffloadAdamW(torch.optim.Optimizer):
             backend = self._host_backend
         master = state.get("master")
         work = master if master is not None else p.detach()
-        flat = work.view(-1)
+        self._run_update(backend, work.view(-1), g, state, h)
+        if master is not None:
+            # After a CUDA update the copy must be stream-ordered behind the kernel that
+            # writes the master: a blocking copy that changes the dtype converts on the host
+            # first, and would read the master before the kernel is done.
+            p.detach().copy_(master.view(p.shape), non_blocking=on_device)
+
+    def _run_update(
+        self, backend: Backend, flat: torch.Tensor, g: torch.Tensor, state: dict[str, Any], h: Hyper
+    ) -> None:
         if self.moment_dtype == "float32":
             backend.fp32(flat, g, state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1), h)
         elif self.moment_dtype == "bfloat16":
@@ -345,11 +377,36 @@ class OffloadAdamW(torch.optim.Optimizer):
         else:
             codes, absmax, s_codes, s_absmax = (state[k] for k in _INT8_KEYS)
             backend.int8(flat, g, codes, absmax, s_codes, s_absmax, h)
-        if master is not None:
-            # After a CUDA update the copy must be stream-ordered behind the kernel that
-            # writes the master: a blocking copy that changes the dtype converts on the host
-            # first, and would read the master before the kernel is done.
-            p.detach().copy_(master.view(p.shape), non_blocking=on_device)
+
+    def _update_through_host(
+        self,
+        p: torch.Tensor,
+        state: dict[str, Any],
+        grad: torch.Tensor,
+        h: Hyper,
+        transfer: DeviceTransfer,
+    ) -> None:
+        """Queue ``p``'s gradient copy and hand its update to the worker thread (see
+        :mod:`sakura_offload.device_stream`); ``step()`` waits for it."""
+        master = state["master"]  # a device parameter always has one
+        if not master.is_pinned():
+            master = state["master"] = transfer.pin(master)
+        buffer = self._grad_buffers.get(p)
+        if buffer is None:
+            buffer = transfer.pin(torch.empty(p.numel(), dtype=torch.float32))
+            self._grad_buffers[p] = buffer
+        event = transfer.to_host(grad, buffer)
+        backend, wait, index = self._host_backend, self.event_wait, self._index[p]
+
+        def job() -> None:
+            wait.wait(event, f"the gradient copy of parameter {index}")
+            self._run_update(backend, master.view(-1), buffer, state, h)
+            transfer.to_device(master, p)
+
+        if self._pipeline is None:
+            self._pipeline = HostPipeline(timeout_s=wait.timeout_s)
+            weakref.finalize(self, self._pipeline.close)
+        self._pipeline.submit(job)
 
     # --- state dicts --------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from sakura_quant.options import (
     FORMAT_NAMES,
     check_block_size,
     check_double_quant,
+    check_matmul_dtype,
     check_names,
 )
 from sakura_quant.quantize import DEFAULT_SKIP, find_targets
@@ -125,6 +126,7 @@ def load_model(
     trust_remote_code: bool = False,
     error_rank: Any = 0,
     error_iters: Any = 1,
+    matmul_dtype: Any = None,
 ) -> nn.Module:
     """Build a frozen model from a safetensors checkpoint, quantizing while it reads.
 
@@ -142,6 +144,7 @@ def load_model(
         error_rank, error_iters: LoftQ, as for :func:`~sakura_quant.quantize_model`: the
             factors are kept in each quantized layer; start PEFT LoRA adapters at them with
             :func:`~sakura_quant.init_lora_from_error` once they are on the model.
+        matmul_dtype: as for :func:`~sakura_quant.quantize_model`.
 
     Every parameter comes back frozen (``requires_grad=False``): put LoRA on it with PEFT.
     A key the model has and the checkpoint lacks is an error, unless the model ties it to
@@ -163,6 +166,7 @@ def load_model(
     check_choice("dtype", dtype, _DTYPES, owner=_OWNER)
     check_bool("trust_remote_code", trust_remote_code, owner=_OWNER)
     rank, iters = check_error_options(error_rank, error_iters, owner=_OWNER)
+    compute = check_matmul_dtype(matmul_dtype, owner=_OWNER)
     if model is not None and not isinstance(model, nn.Module):
         raise option_error("model", model, "None or a torch.nn.Module", owner=_OWNER)
     root = Path(path)
@@ -192,7 +196,9 @@ def load_model(
                 bias = None
                 if linear.bias is not None:
                     bias = _cast(reader.read(f"{name}.bias"), dtype)
-                layer = QuantizedLinear(qweight, bias, error_factors=factors, error_iters=iters)
+                layer = QuantizedLinear(
+                    qweight, bias, error_factors=factors, error_iters=iters, matmul_dtype=compute
+                )
                 layer.requires_grad_(False)
                 parent_name, _, attr = name.rpartition(".")
                 setattr(model.get_submodule(parent_name) if parent_name else model, attr, layer)

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import torch
+
 from sakura.options import check_bool, check_choice, check_int, option_error
 
 FORMAT_NAMES = ("int8", "nf4", "fp8", "nvfp4")
@@ -74,6 +76,33 @@ def check_keep_precise(fmt: str, value: Any, *, owner: str) -> float:
             owner=owner,
         )
     return fraction
+
+
+MATMUL_DTYPES: dict[Any, torch.dtype | None] = {
+    None: None,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    torch.float32: torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    torch.bfloat16: torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    torch.float16: torch.float16,
+}
+"""Accepted ``matmul_dtype`` values -> the dtype (None: the input's own)."""
+
+
+def check_matmul_dtype(value: Any, *, owner: str) -> torch.dtype | None:
+    """``matmul_dtype``: the dtype the frozen weight is expanded to and multiplied in
+    (bitsandbytes' ``compute_dtype``); None keeps the input's dtype."""
+    check_choice("matmul_dtype", value, MATMUL_DTYPES, owner=owner)
+    return MATMUL_DTYPES[value]
+
+
+def matmul_dtype_name(dtype: torch.dtype | None) -> str | None:
+    """The JSON spelling of a checked ``matmul_dtype`` (``"bfloat16"``, ... or None)."""
+    return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def check_names(option: str, value: Any, *, owner: str, allow_none: bool) -> tuple[str, ...] | None:

@@ -18,6 +18,7 @@ from sakura_quant.options import (
     check_double_quant,
     check_format,
     check_keep_precise,
+    check_matmul_dtype,
     check_names,
 )
 from sakura_quant.weights import dequantize_weight, quantize_weight
@@ -119,6 +120,7 @@ def quantize_model(
     keep_precise: Any = 0,
     error_rank: Any = 0,
     error_iters: Any = 1,
+    matmul_dtype: Any = None,
 ) -> dict[str, int]:
     """Quantize the weights of ``model``'s ``nn.Linear`` layers in place, one at a time.
 
@@ -150,6 +152,10 @@ def quantize_model(
             it is quantized are started here (counted in ``"lora_initialized"``).
         error_iters: LoftQ rounds (>= 1): alternate quantizing ``W - B A`` and fitting
             ``B A`` to what that lost.
+        matmul_dtype: the dtype the quantized layers expand their weight to and multiply
+            in (bitsandbytes' ``compute_dtype``): ``None`` (default) the input's dtype;
+            ``"bf16"`` / ``"fp32"`` / ``"fp16"`` (or the torch dtype). ``"bf16"`` under an
+            fp32 model runs the frozen matmuls in bf16 (about 2x on CPUs with AVX512-BF16).
     """
     fmt = check_format(format, owner=_OWNER)
     size = check_block_size(fmt, block_size, owner=_OWNER)
@@ -159,6 +165,7 @@ def quantize_model(
     check_bool("freeze", freeze, owner=_OWNER)
     precise_share = check_keep_precise(fmt, keep_precise, owner=_OWNER)
     rank, iters = check_error_options(error_rank, error_iters, owner=_OWNER)
+    compute = check_matmul_dtype(matmul_dtype, owner=_OWNER)
     if not isinstance(model, nn.Module):
         raise option_error("model", model, "a torch.nn.Module", owner=_OWNER)
 
@@ -183,6 +190,7 @@ def quantize_model(
         spec = (fmt, size, dq) if qweight is None else weight_spec(qweight)
         quantized = build_layer(weight.detach(), spec, rank, iters, qweight=qweight)
         quantized.bias = module.bias
+        quantized.matmul_dtype = compute
         setattr(parent, attr, quantized)
         stats["tensors"] += 1
         stats["kept_precise"] += name in chosen

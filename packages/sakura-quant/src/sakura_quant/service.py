@@ -15,7 +15,9 @@ from sakura_quant.options import (
     check_double_quant,
     check_format,
     check_keep_precise,
+    check_matmul_dtype,
     check_names,
+    matmul_dtype_name,
 )
 from sakura_quant.quantize import DEFAULT_SKIP, quantize_model
 
@@ -27,7 +29,8 @@ _OWNER = "QuantizedBase"
 class QuantizedBase(Service):
     """Quantizes a model's frozen ``nn.Linear`` weights when the loop prepares the model.
 
-    Spec strings: ``quant:nf4``, ``quant:int8,block_size=128``, ``quant:nf4,double_quant=true``.
+    Spec strings: ``quant:nf4``, ``quant:int8,block_size=128``, ``quant:nf4,double_quant=true``,
+    ``quant:nf4,matmul_dtype=bf16`` (the frozen matmuls in bf16 under an fp32 model).
     The arguments are :func:`~sakura_quant.quantize_model`'s; they are checked here, when the
     service is built.  ``wrap_model`` changes the model in place (so it works under the stock
     Hugging Face Trainer with ``HFAdapter`` and under Lightning) and returns it; ``stats`` then
@@ -55,8 +58,10 @@ class QuantizedBase(Service):
         keep_precise: Any = 0,
         error_rank: Any = 0,
         error_iters: Any = 1,
+        matmul_dtype: Any = None,
     ) -> None:
         self.format = check_format(format, owner=_OWNER)
+        self.matmul_dtype = check_matmul_dtype(matmul_dtype, owner=_OWNER)
         self.block_size = check_block_size(self.format, block_size, owner=_OWNER)
         self.double_quant = check_double_quant(self.format, double_quant, owner=_OWNER)
         self.targets = check_names("targets", targets, owner=_OWNER, allow_none=True)
@@ -72,7 +77,8 @@ class QuantizedBase(Service):
     def __repr__(self) -> str:
         return (
             f"QuantizedBase(format={self.format!r}, block_size={self.block_size}, "
-            f"double_quant={self.double_quant})"
+            f"double_quant={self.double_quant}, "
+            f"matmul_dtype={matmul_dtype_name(self.matmul_dtype)!r})"
         )
 
     def wrap_model(self, model: Any) -> Any:
@@ -91,6 +97,7 @@ class QuantizedBase(Service):
             keep_precise=self.keep_precise,
             error_rank=self.error_rank,
             error_iters=self.error_iters,
+            matmul_dtype=self.matmul_dtype,
         )
         self._done.add(model)
         return model

@@ -19,7 +19,9 @@ from sakura_quant.options import (
     check_double_quant,
     check_format,
     check_keep_precise,
+    check_matmul_dtype,
     check_names,
+    matmul_dtype_name,
 )
 from sakura_quant.quantize import DEFAULT_SKIP
 
@@ -45,6 +47,9 @@ class SakuraQuantConfig(QuantizationConfigMixin):
         keep_precise: nf4 / nvfp4 weights that lose most stored int8 / fp8 within that
             fraction of extra bytes (``"auto"`` / ``True``: 0.05).
         error_rank, error_iters: LoftQ (0: off), as for :func:`~sakura_quant.quantize_model`.
+        matmul_dtype: ``None`` (the input's dtype), ``"bf16"``, ``"fp32"``, ``"fp16"``: what
+            the quantized layers multiply in (``bnb_4bit_compute_dtype`` of bitsandbytes);
+            saved in ``config.json`` and applied again on reload.
 
     Every value is checked here, with the errors of :func:`~sakura_quant.quantize_model`.
     """
@@ -60,6 +65,7 @@ class SakuraQuantConfig(QuantizationConfigMixin):
         keep_precise: Any = 0,
         error_rank: Any = 0,
         error_iters: Any = 1,
+        matmul_dtype: Any = None,
         quant_method: str = QUANT_METHOD,
     ) -> None:
         if quant_method != QUANT_METHOD:
@@ -76,6 +82,7 @@ class SakuraQuantConfig(QuantizationConfigMixin):
         self.error_rank, self.error_iters = check_error_options(
             error_rank, error_iters, owner=_OWNER
         )
+        self.matmul_dtype = matmul_dtype_name(check_matmul_dtype(matmul_dtype, owner=_OWNER))
 
     def to_dict(self) -> dict[str, Any]:
         """The options as JSON values (what ``config.json`` carries)."""
@@ -89,4 +96,5 @@ class SakuraQuantConfig(QuantizationConfigMixin):
             "keep_precise": self.keep_precise,
             "error_rank": self.error_rank,
             "error_iters": self.error_iters,
+            "matmul_dtype": self.matmul_dtype,
         }

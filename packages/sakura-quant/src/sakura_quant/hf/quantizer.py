@@ -36,6 +36,7 @@ from sakura_quant.formats import QuantizedWeight
 from sakura_quant.hf.config import SakuraQuantConfig
 from sakura_quant.hf.layout import install_skeletons, layout_metadata
 from sakura_quant.linear import QuantizedLinear
+from sakura_quant.options import check_matmul_dtype
 from sakura_quant.quantize import (
     build_layer,
     find_targets,
@@ -174,6 +175,12 @@ class SakuraHfQuantizer(HfQuantizer):
                 _mark_loaded(layer)
                 _replace(model, name, layer)
             self._candidates.clear()
+        compute = check_matmul_dtype(
+            self.quantization_config.matmul_dtype, owner="SakuraQuantConfig"
+        )
+        for module in model.modules():
+            if isinstance(module, QuantizedLinear):  # loaded now, or reloaded quantized
+                module.matmul_dtype = compute
         return model
 
     def _dequantize(self, model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:

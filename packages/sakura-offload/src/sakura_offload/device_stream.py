@@ -1,0 +1,171 @@
+"""Host updates of CUDA parameters without stalling the GPU: side-stream copies, a worker
+thread, poll-then-sleep waits.
+
+For a parameter on a CUDA device whose update runs on the host (the C++ or torch backend),
+:class:`OffloadAdamW <sakura_offload.OffloadAdamW>` hands each gradient to a
+:class:`HostPipeline`:
+
+1. on the calling thread (during backward with ``eager=True``): a side stream waits for the
+   compute stream's work so far, then copies the gradient (as fp32) into a page-locked host
+   buffer of the parameter's own and records an event (``to_host``); the gradient's memory
+   is kept from reuse until that copy ran (``record_stream``).  Nothing waits here, so the
+   thread goes on queueing the rest of backward.
+2. on the pipeline's worker thread: wait for that event (:class:`~sakura_offload.event_wait.
+   EventWait`, the poll-then-sleep policy), run the host update on the buffer, and queue the
+   copy of the updated fp32 master (page-locked) into the parameter on the side stream
+   (``to_device``).
+3. ``step()`` drains the worker (bounded, re-raising its first error) and makes each compute
+   stream wait for its side stream, so the next forward reads the new weights.
+
+:class:`CudaTransfer` is the CUDA side; tests give the optimizer another
+:class:`DeviceTransfer` (a synchronous copy with events that complete late) to check the
+pipeline on a machine without a GPU.  The CUDA side itself runs only where CUDA is present
+(``benchmarks/gpu_check.sh``).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from sakura_offload.event_wait import Event
+
+__all__ = ["CudaTransfer", "DeviceTransfer", "HostPipeline"]
+
+
+class DeviceTransfer(Protocol):
+    """The device side of the pipeline."""
+
+    def handles(self, p: torch.Tensor) -> bool:
+        """Whether ``p``'s host update goes through the pipeline."""
+        ...
+
+    def pin(self, host: torch.Tensor) -> torch.Tensor:
+        """``host`` in page-locked memory (copies go asynchronously only from there)."""
+        ...
+
+    def to_host(self, grad: torch.Tensor, buffer: torch.Tensor) -> Event:
+        """Queue the copy of ``grad`` (any float dtype) into the flat fp32 host ``buffer``
+        after the work queued so far; the event completes when it is there."""
+        ...
+
+    def to_device(self, master: torch.Tensor, p: torch.Tensor) -> None:
+        """Queue the copy of the fp32 host ``master`` into ``p`` (rounded to its dtype)."""
+        ...
+
+    def order_compute(self) -> None:
+        """Make the work queued from now on wait for every copy queued so far."""
+        ...
+
+
+class CudaTransfer:
+    """:class:`DeviceTransfer` on CUDA streams: one side stream per device."""
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def handles(self, p: torch.Tensor) -> bool:
+        return p.device.type == "cuda"
+
+    def pin(self, host: torch.Tensor) -> torch.Tensor:
+        return host.pin_memory()
+
+    def _side(self, device: torch.device) -> torch.cuda.Stream:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        return stream
+
+    def to_host(self, grad: torch.Tensor, buffer: torch.Tensor) -> Event:
+        side = self._side(grad.device)
+        side.wait_stream(torch.cuda.current_stream(grad.device))
+        with torch.cuda.stream(side):
+            source = grad.detach().reshape(-1)
+            if source.dtype != torch.float32:
+                source = source.float()  # converted on the device, in the side stream
+            buffer.copy_(source, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(side)
+        grad.record_stream(side)
+        if source is not grad:
+            source.record_stream(side)
+        return done
+
+    def to_device(self, master: torch.Tensor, p: torch.Tensor) -> None:
+        side = self._side(p.device)
+        with torch.cuda.stream(side):
+            p.detach().copy_(master.view(p.shape), non_blocking=True)
+
+    def order_compute(self) -> None:
+        for device, side in self._streams.items():
+            torch.cuda.current_stream(device).wait_stream(side)
+
+
+class HostPipeline:
+    """Runs jobs on one worker thread, in order; :meth:`drain` waits for all of them.
+
+    A job that raises stops the pipeline: the jobs after it are dropped and :meth:`drain`
+    re-raises that error.  :meth:`drain` is bounded by ``timeout_s`` and notices a worker
+    that died."""
+
+    def __init__(self, *, timeout_s: float = 600.0, name: str = "sakura-offload-host") -> None:
+        self.timeout_s = timeout_s
+        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._pending = 0
+        self._lock = threading.Condition()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        if not self._thread.is_alive():
+            raise RuntimeError("sakura-offload: the host update thread is not running")
+        with self._lock:
+            self._pending += 1
+        self._jobs.put(job)
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                if self._error is None:
+                    job()
+            except BaseException as error:
+                self._error = error
+            finally:
+                with self._lock:
+                    self._pending -= 1
+                    self._lock.notify_all()
+
+    def drain(self) -> None:
+        """Wait until every submitted job ran; re-raise the first error of one."""
+        deadline = time.monotonic() + self.timeout_s
+        with self._lock:
+            while self._pending:
+                if not self._thread.is_alive():
+                    raise RuntimeError(
+                        "sakura-offload: the host update thread died with updates pending"
+                    )
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"sakura-offload: {self._pending} host update(s) did not finish "
+                        f"within {self.timeout_s:g} s"
+                    )
+                self._lock.wait(min(left, 0.5))
+        error, self._error = self._error, None
+        if error is not None:
+            raise RuntimeError("sakura-offload: a host update failed") from error
+
+    def close(self) -> None:
+        """Stop the worker after the jobs already submitted."""
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join(timeout=self.timeout_s)
