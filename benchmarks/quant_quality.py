@@ -23,7 +23,9 @@ Formats (``--formats``, or ``all``): ``none`` (full precision); sakura-quant's
 ``nf4-dq`` (``double_quant=True``), ``fp8``, ``nvfp4``, ``nf4-k`` / ``nvfp4-k``
 (``keep_precise``, ``--keep-precise``, default ``"auto"`` = 5 % more bytes), ``nf4-l`` /
 ``nvfp4-l`` (LoftQ: ``error_rank`` = the LoRA rank, ``--error-iters`` rounds, the adapters
-started by ``init_lora_from_error``); and ``bnb-nf4``: the same weights quantized by
+started by ``init_lora_from_error``), ``nf4-bf16`` (``matmul_dtype="bf16"``: the same NF4
+weights, the frozen matmuls in bf16 -- what the QLoRA step of ``quant_speed.py`` and the
+fine-tuning demo run fastest with); and ``bnb-nf4``: the same weights quantized by
 bitsandbytes' ``quantize_4bit`` and expanded by its ``dequantize_4bit``, which must give
 ``nf4``'s perplexity to the last digit (checked, before and after the fine-tune).
 
@@ -36,7 +38,7 @@ the median and the min-max spread of "after"; "before" is deterministic.
 Reported: perplexity, its change against ``none``, bytes per weight of the quantized layers,
 the seconds per format, the load average.
 
-Run: ``python benchmarks/quant_quality.py`` (the 7 formats the targets name, 4 windows, 3
+Run: ``python benchmarks/quant_quality.py`` (the 8 formats the targets name, 4 windows, 3
 one-row fine-tune steps, the tiny model pretrained 150 steps: a few minutes, about a quarter
 of the long form's work per format).  The long form, the table in
 packages/sakura-quant/README.md: ``python benchmarks/quant_quality.py --long`` (every format,
@@ -78,14 +80,15 @@ FORMATS = (
     "nf4-dq",
     "nf4-k",
     "nf4-l",
+    "nf4-bf16",
     "fp8",
     "nvfp4",
     "nvfp4-k",
     "nvfp4-l",
 )
 # What the issue's targets name: int8, NF4 against bitsandbytes, double quant, keep_precise
-# and LoftQ against plain NF4.
-TARGET_FORMATS = ("none", "int8", "nf4", "bnb-nf4", "nf4-dq", "nf4-k", "nf4-l")
+# and LoftQ against plain NF4; and NF4 with bf16 matmuls, the fast QLoRA step's setting.
+TARGET_FORMATS = ("none", "int8", "nf4", "bnb-nf4", "nf4-dq", "nf4-k", "nf4-l", "nf4-bf16")
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LONG = {
     "formats": list(FORMATS),
@@ -259,6 +262,8 @@ def quantize(model: Any, fmt: str, args: argparse.Namespace) -> dict[str, int]:
         kwargs["keep_precise"] = args.keep_precise
     elif option == "l":
         kwargs.update(error_rank=args.rank, error_iters=args.error_iters)
+    elif option == "bf16":
+        kwargs["matmul_dtype"] = "bf16"
     stats: dict[str, int] = quantize_model(model, name, **kwargs)
     return stats
 
