@@ -82,6 +82,8 @@ __all__ = [
     "plan_memory",
 ]
 
+_PROBE_CAP = 256 * 2**20
+"""Most bytes a bandwidth probe copies (one block's pageable tensors, largest first)."""
 _OWNER = "MemoryPlanner"
 _LOG = logging.getLogger("sakura_offload.planner")
 
@@ -889,21 +891,42 @@ class MemoryPlanner:
             self._in_sample = False
         recorder.end_forward()
 
+    def _probe_sizes(self) -> list[int]:
+        """Byte sizes of the pageable saved tensors of the block that pages the most (at
+        most ``_PROBE_CAP`` bytes in all): what a bandwidth probe copies, so that the
+        estimate carries the real tensors' sizes and per-tensor costs, not one cached
+        buffer's."""
+        recorder = self._recorder
+        blocks = recorder.blocks if recorder is not None else []
+        if not blocks:
+            return [1 << 22]
+        widest = max(blocks, key=lambda b: b.copy_bytes)
+        sizes, total = [], 0
+        for nbytes, pageable in sorted(widest.saved.values(), key=lambda e: -e[0]):
+            if pageable and nbytes > 0 and total + nbytes <= _PROBE_CAP:
+                sizes.append(nbytes)
+                total += nbytes
+        return sizes or [1 << 22]
+
     def _bandwidth(self, tier: str) -> float:
+        """Round-trip bytes per second of ``tier``: as given, else measured by paging out
+        tensors of the sizes one block saves (all packed, then all unpacked, as forward and
+        backward do), the best of three rounds."""
         given = self.host_bandwidth if tier == "host" else self.disk_bandwidth
         if given is not None:
             return float(given)
         pager = self._pager("page_host" if tier == "host" else "page_disk")
-        probe = torch.randn(1 << 20, device=self.device)  # 4 MiB of fp32
-        nbytes = probe.numel() * probe.element_size()
+        probes = [torch.randn(max(1, n // 4), device=self.device) for n in self._probe_sizes()]
+        nbytes = sum(p.numel() * p.element_size() for p in probes)
         best = math.inf
         for _ in range(3):
             _sync(self.device)
             start = time.perf_counter()
-            back = pager.unpack(pager.pack(probe))
+            pages = [pager.pack(p) for p in probes]
+            back = [pager.unpack(page) for page in pages]
             _sync(self.device)
             best = min(best, time.perf_counter() - start)
-            del back
+            del pages, back
         return nbytes / max(best, 1e-9)
 
     def plan(self, model: nn.Module, sample: Any, *, trials: int = 2) -> MemoryPlan:
