@@ -15,6 +15,8 @@ equal bitsandbytes' and that both dequantize to the same values.
 
 Reported per variant and operation: the median over trials, the min-max spread, and
 ``bnb / variant`` (> 1: faster than bitsandbytes); the load average before and after.
+Large buffers come from the heap for every variant (``heap_for_large_buffers``): a fresh
+32 MiB ``mmap`` per output would otherwise time page faults, not the kernels.
 
 ``--load-rss`` additionally measures ``load_model``'s peak memory: a Llama-shaped checkpoint
 (``--rss-layers`` layers of ``--rss-hidden``) is written to a temporary folder, then loaded in
@@ -109,6 +111,25 @@ def timed(fn: Callable[[], Any]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def heap_for_large_buffers() -> str:
+    """Have glibc serve large allocations from the heap (``mallopt``), so a 32 MiB output is
+    a reused buffer, not a fresh ``mmap`` whose first touch page-faults: otherwise that
+    fault cost (about 15 ms for 32 MiB here) dominates a dequantize and depends on which
+    library freed what just before.  Applies to every variant alike; returns what it did."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return "not glibc: large buffers may be fresh mmaps"
+    libc = ctypes.CDLL(name)
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    if not hasattr(libc, "mallopt"):
+        return "no mallopt: large buffers may be fresh mmaps"
+    ok = libc.mallopt(m_mmap_threshold, 1 << 30) and libc.mallopt(m_trim_threshold, 1 << 31)
+    return "large buffers from the heap (mallopt)" if ok else "mallopt refused"
 
 
 def speed(args: argparse.Namespace) -> dict[str, Any]:
@@ -419,6 +440,7 @@ def main() -> None:
         "trials": args.trials,
         "load_before": load_average(),
     }
+    report["allocator"] = heap_for_large_buffers()
     report.update(speed(args))
     if args.load_rss:
         report["load_model_rss"] = load_rss(args)
@@ -435,7 +457,8 @@ def main() -> None:
 
     print(
         f"NF4, {args.size}x{args.size} {args.dtype}, {args.threads} thread(s), "
-        f"{args.trials} trials; load {report['load_before']} -> {report['load_after']}"
+        f"{args.trials} trials; load {report['load_before']} -> {report['load_after']}; "
+        f"{report['allocator']}"
     )
     for key, value in report["check"].items():
         print(f"  {key}: {value}")
