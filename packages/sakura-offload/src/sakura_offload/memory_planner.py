@@ -911,7 +911,7 @@ class MemoryPlanner:
     def _bandwidth(self, tier: str) -> float:
         """Round-trip bytes per second of ``tier``: as given, else measured by paging out
         tensors of the sizes one block saves (all packed, then all unpacked, as forward and
-        backward do), the best of three rounds."""
+        backward do), the best of five rounds (the first ones also pay for fresh pages)."""
         given = self.host_bandwidth if tier == "host" else self.disk_bandwidth
         if given is not None:
             return float(given)
@@ -919,7 +919,7 @@ class MemoryPlanner:
         probes = [torch.randn(max(1, n // 4), device=self.device) for n in self._probe_sizes()]
         nbytes = sum(p.numel() * p.element_size() for p in probes)
         best = math.inf
-        for _ in range(3):
+        for _ in range(5):
             _sync(self.device)
             start = time.perf_counter()
             pages = [pager.pack(p) for p in probes]
