@@ -20,7 +20,10 @@ fraction of that bandwidth it reaches, counting the bytes AdamW must move per pa
 
 Reported: per variant the median over trials of the per-trial mean step time, the min-max
 spread, the ratio to ``torch-fused`` (> 1: slower) and the bandwidth fraction; the load
-average before and after.  Run: ``python benchmarks/offload_adamw.py`` (``--help``).
+average before and after.  Then, each in a fresh process, the host memory OffloadAdamW's
+state takes per parameter for each moment format (RSS growth after one step over bf16
+weights, which get fp32 masters as a GPU model's would, and the peak growth during it):
+the reference states about 12 bytes with fp32 moments and 6 with 8-bit ones.  Run: ``python benchmarks/offload_adamw.py`` (``--help``).
 """
 
 from __future__ import annotations
@@ -89,6 +92,63 @@ def build(name: str, params: list[Any]) -> tuple[Any, str]:
     return OffloadAdamW(params, moment_dtype=dtype, backend="cpp", **hyper), dtype
 
 
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status", encoding="ascii") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def state_bytes_child(moment_dtype: str, params: int) -> None:
+    """In a fresh process: ``params`` bf16 weights (standing for a GPU model's, so the host
+    holds fp32 masters as it would for one), one OffloadAdamW step; print the RSS growth
+    and peak growth the optimizer's state caused, per parameter, as JSON."""
+    import gc
+
+    import torch
+
+    from sakura_offload import OffloadAdamW
+
+    torch.set_num_threads(1)
+    warm = torch.nn.Parameter(torch.zeros(8))  # loads the kernel before the measurement
+    warm.grad = torch.ones(8)
+    OffloadAdamW([warm], moment_dtype=moment_dtype).step()
+    weight = torch.nn.Parameter(torch.zeros(params, dtype=torch.bfloat16))
+    weight.grad = torch.full_like(weight, 1e-3)
+    gc.collect()
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
+        fh.write("5")  # reset VmHWM to the current RSS
+    before = _status_kib("VmRSS")
+    optimizer = OffloadAdamW([weight], moment_dtype=moment_dtype)
+    optimizer.step()
+    after, peak = _status_kib("VmRSS"), _status_kib("VmHWM")
+    result = {
+        "moment_dtype": moment_dtype,
+        "params": params,
+        "state_bytes_per_param": (after - before) * 1024 / params,
+        "peak_bytes_per_param": (peak - before) * 1024 / params,
+    }
+    print(json.dumps(result))
+
+
+def state_bytes(params: int) -> list[dict[str, Any]]:
+    """``state_bytes_child`` for each moment format, each in its own process."""
+    import subprocess
+
+    rows = []
+    for dtype in ("float32", "bfloat16", "int8"):
+        out = subprocess.run(
+            [sys.executable, __file__, "--state-bytes-child", dtype, str(params)],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=600,
+        )
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return rows
+
+
 def time_steps(optimizer: Any, steps: int) -> float:
     start = time.perf_counter()
     for _ in range(steps):
@@ -133,7 +193,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument(
+        "--no-state-bytes",
+        dest="state_bytes",
+        action="store_false",
+        help="skip the host bytes per parameter of each moment format",
+    )
+    parser.add_argument("--state-bytes-child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.state_bytes_child:
+        state_bytes_child(args.state_bytes_child[0], int(args.state_bytes_child[1]))
+        return 0
 
     import torch
 
@@ -192,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_after": load_average(),
         "results": results,
         "skipped": skipped,
+        "state_bytes": state_bytes(args.params) if args.state_bytes else [],
     }
     print(
         f"host AdamW step, {args.params / 1e6:.0f} M parameters, {threads} thread(s), "
@@ -208,6 +279,12 @@ def main(argv: list[str] | None = None) -> int:
         )
     for name, why in skipped.items():
         print(f"{name:<15} skipped: {why}")
+    for row in report["state_bytes"]:
+        print(
+            f"host bytes per parameter, bf16 weights with fp32 masters, {row['moment_dtype']} "
+            f"moments: {row['state_bytes_per_param']:.2f} after a step "
+            f"(peak {row['peak_bytes_per_param']:.2f})"
+        )
     print(f"load average before: {load_before}; after: {report['load_after']}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as out:
