@@ -174,3 +174,61 @@ def test_on_a_device_pinned_host_memory_is_reachable_and_pageable_is_not() -> No
     backend.check_reachable(torch.zeros(10, device="cuda"))
     with pytest.raises(RuntimeError, match="cannot reach a host tensor"):
         backend.check_reachable(torch.zeros(10))
+
+
+def _mlp_on(device: str, dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.GELU(), torch.nn.Linear(512, 64))
+    return model.to(device, dtype)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
+def test_on_a_device_host_updates_through_the_side_stream_pipeline(
+    param_dtype: torch.dtype,
+) -> None:
+    """The default backend on CUDA parameters: gradients copied off on a side stream, the
+    host kernel on a worker thread, the weights copied back; the same bits as the same host
+    update of CPU copies of the parameters given the same gradients."""
+    from sakura_offload.device_stream import CudaTransfer
+
+    device_model, host_model = _mlp_on("cuda", param_dtype), _mlp_on("cpu", param_dtype)
+    device_opt = OffloadAdamW(device_model.parameters(), **HYPER)
+    host_opt = OffloadAdamW(host_model.parameters(), **HYPER)
+    assert isinstance(device_opt._transfer, CudaTransfer)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        x = torch.randn(32, 64, generator=g).to(param_dtype)
+        loss = host_model(x).float().square().mean()
+        grads = torch.autograd.grad(loss, list(host_model.parameters()))
+        for model, opt, where in (
+            (device_model, device_opt, "cuda"),
+            (host_model, host_opt, "cpu"),
+        ):
+            for p, grad in zip(model.parameters(), grads, strict=True):
+                p.grad = grad.to(where)
+            opt.step()
+            opt.zero_grad()
+    for p_dev, p_host in zip(device_model.parameters(), host_model.parameters(), strict=True):
+        assert torch.equal(p_dev.detach().cpu(), p_host.detach())
+        master = device_opt.state[p_dev]["master"]
+        assert master.is_pinned() and torch.equal(master, host_opt.state[p_host]["master"])
+    assert device_opt._pipeline is not None  # the updates went through the worker
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_device_eager_pipeline_updates_equal_the_stepped_ones() -> None:
+    """eager=True starts each tensor's copy and host update during backward; the result is
+    the one step() gives after backward."""
+    results = []
+    for eager in (False, True):
+        model = _mlp_on("cuda", torch.float32)
+        opt = OffloadAdamW(model.parameters(), **HYPER, eager=eager)
+        g = torch.Generator().manual_seed(3)
+        for _ in range(4):
+            x = torch.randn(32, 64, generator=g).cuda()
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        results.append([p.detach().cpu() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
