@@ -1,12 +1,26 @@
-"""Helpers shared by the overhead benchmarks (``core_overhead.py``, ``adapter_overhead.py``);
-``nox -s bench`` skips ``_``-prefixed files, so this one only runs through them."""
+"""Helpers shared by the benchmarks (the overhead ones' services and summaries; the memory
+ones' ``/proc/self/status`` reader); ``nox -s bench`` skips ``_``-prefixed files, so this
+one only runs through them."""
 
 from __future__ import annotations
 
 import statistics
 from typing import Any
 
-__all__ = ["make_noop_services", "summary", "verdict"]
+__all__ = ["make_noop_services", "status_kib", "summary", "verdict"]
+
+
+def status_kib(field: str) -> int | None:
+    """A ``kB`` field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``, ``RssAnon``, ...);
+    None where that file or field does not exist (not Linux)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
 
 
 def make_noop_services(count: int) -> list[Any]:

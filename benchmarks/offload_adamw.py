@@ -37,6 +37,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from _common import status_kib
+
 BYTES_PER_PARAM = {"fp32": 28, "bf16": 20, "int8": 16}
 VARIANTS = (
     "torch-foreach",
@@ -93,11 +95,10 @@ def build(name: str, params: list[Any]) -> tuple[Any, str]:
 
 
 def _status_kib(field: str) -> int:
-    with open("/proc/self/status", encoding="ascii") as fh:
-        for line in fh:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
+    value = status_kib(field)
+    if value is None:
+        raise RuntimeError(f"{field} is not in /proc/self/status (Linux only)")
+    return value
 
 
 def state_bytes_child(moment_dtype: str, params: int) -> None:

@@ -39,6 +39,8 @@ import tempfile
 import time
 from typing import Any
 
+from _common import status_kib
+
 VARIANTS = ("keep", "page-host", "page-disk", "recompute", "planner", "hf-checkpointing")
 CHOICE = {
     "keep": "keep",
@@ -56,14 +58,8 @@ def load_average() -> str:
 
 
 def _status(field: str) -> int | None:
-    try:
-        with open("/proc/self/status", encoding="ascii") as handle:
-            for line in handle:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    kib = status_kib(field)
+    return None if kib is None else kib * 1024
 
 
 def trim_heap() -> None:

@@ -71,6 +71,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from _common import status_kib
+
 
 def load_average() -> str:
     try:
@@ -221,11 +223,10 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _status_kib(field: str) -> int:
-    with open("/proc/self/status", encoding="ascii") as fh:
-        for line in fh:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
+    value = status_kib(field)
+    if value is None:
+        raise RuntimeError(f"{field} is not in /proc/self/status (Linux only)")
+    return value
 
 
 def rss_child(path: str, quant: str) -> None:
