@@ -65,9 +65,13 @@ def test_matmul_dtype_bf16_under_an_fp32_input() -> None:
     out.backward(grad)
     assert x.grad is not None and x.grad.dtype == torch.float32
     assert torch.equal(x.grad, (grad.bfloat16() @ w16).float())
-    # Switchable per layer at any time; None goes back to the input's dtype.
+    # Switchable per layer at any time (checked); None goes back to the input's dtype.
     q.matmul_dtype = None
     assert torch.equal(q(x.detach()), fp32)
+    q.matmul_dtype = "bfloat16"
+    assert q.matmul_dtype == torch.bfloat16
+    with pytest.raises(OptionError, match=r"QuantizedLinear: matmul_dtype='fp8' is not accepted"):
+        q.matmul_dtype = "fp8"
     with pytest.raises(OptionError, match=r"QuantizedLinear: matmul_dtype='int8'.*'bf16'"):
         QuantizedLinear.from_linear(layer, "nf4", matmul_dtype="int8")
 

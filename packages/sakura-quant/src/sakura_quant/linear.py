@@ -90,7 +90,7 @@ class QuantizedLinear(nn.Linear):
         matmul_dtype: Any = None,
     ) -> None:
         nn.Module.__init__(self)
-        self.matmul_dtype = check_matmul_dtype(matmul_dtype, owner="QuantizedLinear")
+        self.matmul_dtype = matmul_dtype
         if len(qweight.shape) != 2:
             raise ValueError(f"QuantizedLinear needs a 2-D weight, got shape {qweight.shape}")
         self.out_features, self.in_features = qweight.shape
@@ -130,6 +130,16 @@ class QuantizedLinear(nn.Linear):
             linear.weight.detach(), format, block_size=block_size, double_quant=double_quant
         )
         return cls(qweight, linear.bias, matmul_dtype=matmul_dtype)
+
+    @property
+    def matmul_dtype(self) -> torch.dtype | None:
+        """The dtype both matmuls run in (None: the input's); setting it checks the value
+        as the constructor does (``"bf16"``, ``torch.bfloat16``, ... or None)."""
+        return self._matmul_dtype
+
+    @matmul_dtype.setter
+    def matmul_dtype(self, value: Any) -> None:
+        self._matmul_dtype = check_matmul_dtype(value, owner="QuantizedLinear")
 
     @property
     def error_factors(self) -> tuple[torch.Tensor, torch.Tensor] | None:
