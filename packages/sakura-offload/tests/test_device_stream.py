@@ -206,3 +206,13 @@ def test_a_failed_host_update_surfaces_at_step() -> None:
     with pytest.raises(RuntimeError, match="a host update failed") as error:
         optimizer.step()
     assert "copy failed" in str(error.value.__cause__)
+
+
+def test_close_does_not_wait_on_a_stuck_worker() -> None:
+    pipeline = HostPipeline(timeout_s=600)
+    release = threading.Event()
+    pipeline.submit(lambda: release.wait(30))
+    start = time.perf_counter()
+    pipeline.close(timeout_s=0.1)
+    assert time.perf_counter() - start < 5
+    release.set()

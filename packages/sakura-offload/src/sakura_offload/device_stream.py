@@ -164,8 +164,10 @@ class HostPipeline:
         if error is not None:
             raise RuntimeError("sakura-offload: a host update failed") from error
 
-    def close(self) -> None:
-        """Stop the worker after the jobs already submitted."""
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the worker after the jobs already submitted, waiting at most ``timeout_s``
+        (it is a daemon thread: a worker stuck on a hung device does not hold the process
+        at exit)."""
         if self._thread.is_alive():
             self._jobs.put(None)
-            self._thread.join(timeout=self.timeout_s)
+            self._thread.join(timeout=timeout_s)
