@@ -7,7 +7,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-__all__ = ["make_noop_services", "status_kib", "summary", "verdict"]
+__all__ = ["make_noop_services", "require_status_kib", "status_kib", "summary", "verdict"]
 
 
 def status_kib(field: str) -> int | None:
@@ -21,6 +21,14 @@ def status_kib(field: str) -> int | None:
     except OSError:
         return None
     return None
+
+
+def require_status_kib(field: str) -> int:
+    """:func:`status_kib`, or an error naming the field where it cannot be read."""
+    value = status_kib(field)
+    if value is None:
+        raise RuntimeError(f"{field} is not in /proc/self/status (Linux only)")
+    return value
 
 
 def make_noop_services(count: int) -> list[Any]:

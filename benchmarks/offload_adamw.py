@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from _common import status_kib
+from _common import require_status_kib
 
 BYTES_PER_PARAM = {"fp32": 28, "bf16": 20, "int8": 16}
 VARIANTS = (
@@ -94,13 +94,6 @@ def build(name: str, params: list[Any]) -> tuple[Any, str]:
     return OffloadAdamW(params, moment_dtype=dtype, backend="cpp", **hyper), dtype
 
 
-def _status_kib(field: str) -> int:
-    value = status_kib(field)
-    if value is None:
-        raise RuntimeError(f"{field} is not in /proc/self/status (Linux only)")
-    return value
-
-
 def state_bytes_child(moment_dtype: str, params: int) -> None:
     """In a fresh process: ``params`` bf16 weights (standing for a GPU model's, so the host
     holds fp32 masters as it would for one), one OffloadAdamW step; print the RSS growth
@@ -120,10 +113,10 @@ def state_bytes_child(moment_dtype: str, params: int) -> None:
     gc.collect()
     with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
         fh.write("5")  # reset VmHWM to the current RSS
-    before = _status_kib("VmRSS")
+    before = require_status_kib("VmRSS")
     optimizer = OffloadAdamW([weight], moment_dtype=moment_dtype)
     optimizer.step()
-    after, peak = _status_kib("VmRSS"), _status_kib("VmHWM")
+    after, peak = require_status_kib("VmRSS"), require_status_kib("VmHWM")
     result = {
         "moment_dtype": moment_dtype,
         "params": params,

@@ -71,7 +71,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from _common import status_kib
+from _common import require_status_kib
 
 
 def load_average() -> str:
@@ -222,13 +222,6 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
     return {"results": results, "check": check, "notes": notes}
 
 
-def _status_kib(field: str) -> int:
-    value = status_kib(field)
-    if value is None:
-        raise RuntimeError(f"{field} is not in /proc/self/status (Linux only)")
-    return value
-
-
 def rss_child(path: str, quant: str) -> None:
     import torch
 
@@ -242,8 +235,8 @@ def rss_child(path: str, quant: str) -> None:
     # the load's own.
     with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
         fh.write("5")
-    base = _status_kib("VmRSS") * 1024
-    anon_base = _status_kib("RssAnon") * 1024
+    base = require_status_kib("VmRSS") * 1024
+    anon_base = require_status_kib("RssAnon") * 1024
     # Pages of the memory-mapped checkpoint that were read count in RSS (file-backed, the
     # kernel may drop them); anonymous memory is what the load itself holds: sampled.
     anon_peak = [anon_base]
@@ -251,15 +244,15 @@ def rss_child(path: str, quant: str) -> None:
 
     def sample() -> None:
         while not done.wait(0.002):
-            anon_peak[0] = max(anon_peak[0], _status_kib("RssAnon") * 1024)
+            anon_peak[0] = max(anon_peak[0], require_status_kib("RssAnon") * 1024)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     model = load_model(path, None if quant == "none" else quant)
     done.set()
     sampler.join(timeout=5)
-    peak = _status_kib("VmHWM") * 1024
-    anon_peak[0] = max(anon_peak[0], _status_kib("RssAnon") * 1024)
+    peak = require_status_kib("VmHWM") * 1024
+    anon_peak[0] = max(anon_peak[0], require_status_kib("RssAnon") * 1024)
     kept = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     print(
         json.dumps(

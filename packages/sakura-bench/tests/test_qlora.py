@@ -93,6 +93,15 @@ def test_tiny_twin_trains_lora_over_a_quantized_unchanged_base(framework: str) -
         assert torch.equal(probe.end[key], expected[key]), key
 
 
+def epoch_losses(**kw: Any) -> list[float]:
+    """The training loss of each of two epochs of a tiny-llama-qlora trial (an evaluation
+    runs between them)."""
+    config = TrialConfig("tiny-llama-qlora", scale="tiny", epochs=2, warmup_steps=0, **kw)
+    result = run_trial(config)
+    assert result["errors"] == []
+    return [float(e["train_loss"]) for e in result["epochs"]]
+
+
 def test_peft_bnb_variant_is_stock_peft_over_bitsandbytes_nf4() -> None:
     """The rival: bitsandbytes' Linear4bit under PEFT's own 4-bit LoRA layer; NF4 codes
     equal to sakura-quant's, so the first epoch's loss agrees closely with quant:nf4's."""
@@ -106,14 +115,8 @@ def test_peft_bnb_variant_is_stock_peft_over_bitsandbytes_nf4() -> None:
     assert all(isinstance(m.base_layer, bnb.nn.Linear4bit) for m in layers)
     assert all(m.base_layer.weight.quant_type == "nf4" for m in layers)
 
-    def losses(**kw: Any) -> list[float]:
-        config = TrialConfig("tiny-llama-qlora", scale="tiny", epochs=2, warmup_steps=0, **kw)
-        result = run_trial(config)
-        assert result["errors"] == []
-        return [float(e["train_loss"]) for e in result["epochs"]]
-
-    bnb = losses(runner="baseline", framework="pytorch-ddp", variant="peft-bnb")
-    sakura = losses(runner="sakura", framework="pytorch-ddp", services=["quant:nf4"])
+    bnb = epoch_losses(runner="baseline", framework="pytorch-ddp", variant="peft-bnb")
+    sakura = epoch_losses(runner="sakura", framework="pytorch-ddp", services=["quant:nf4"])
     # The second epoch follows an evaluation: bitsandbytes' eval-time repacking for its
     # inference kernel (which drops the input gradient) must not reach the training steps.
     assert bnb == pytest.approx(sakura, rel=1e-4)
@@ -127,17 +130,11 @@ def test_bf16_compute_variant_is_the_rival_of_matmul_dtype_bf16() -> None:
     bases = [m for m in workload.make_model().modules() if isinstance(m, bnb.nn.Linear4bit)]
     assert len(bases) == 14 and all(m.compute_dtype == torch.bfloat16 for m in bases)
 
-    def losses(**kw: Any) -> list[float]:
-        config = TrialConfig("tiny-llama-qlora", scale="tiny", epochs=2, warmup_steps=0, **kw)
-        result = run_trial(config)
-        assert result["errors"] == []
-        return [float(e["train_loss"]) for e in result["epochs"]]
-
-    bnb_losses = losses(runner="baseline", framework="pytorch-ddp", variant="peft-bnb-bf16")
-    sakura = losses(
+    bnb_losses = epoch_losses(runner="baseline", framework="pytorch-ddp", variant="peft-bnb-bf16")
+    sakura = epoch_losses(
         runner="sakura", framework="pytorch-ddp", services=["quant:nf4,matmul_dtype=bf16"]
     )
-    fp32 = losses(runner="sakura", framework="pytorch-ddp", services=["quant:nf4"])
+    fp32 = epoch_losses(runner="sakura", framework="pytorch-ddp", services=["quant:nf4"])
     assert bnb_losses == pytest.approx(sakura, rel=1e-3)
     assert sakura != fp32  # the bf16 matmuls did run
 
