@@ -51,10 +51,12 @@ is faster).
 ``--profile`` then traces one more step of each with ``torch.profiler`` and prints the
 operators with the most self CPU time.
 
-Run: ``python benchmarks/quant_speed.py`` (12 minutes on a shared 2-core machine at load 7,
-1 thread; SmolLM2's loading and torchao's quantize take much of it); the long form:
-``--long`` (9 trials, 9 QLoRA trials of 2 x 256 tokens, and ``--load-rss``: 26 minutes there).
-``--help`` for the rest.
+Run: ``python benchmarks/quant_speed.py`` (12 minutes on a shared 2-core machine at load 7
+with the two QLoRA contestants of an earlier version; ``--trials 7 --qlora-trials 7
+--qlora-batch 2 --qlora-seq 256``, the README's run with all four, took about 5 minutes on an
+idle 2-core machine with AVX-512; 1 thread; SmolLM2's loading and torchao's quantize take
+much of it); the long form: ``--long`` (9 trials, 9 QLoRA trials of 2 x 256 tokens, and
+``--load-rss``).  ``--help`` for the rest.
 """
 
 from __future__ import annotations
