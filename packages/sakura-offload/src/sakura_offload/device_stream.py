@@ -85,15 +85,13 @@ class CudaTransfer:
         side = self._side(grad.device)
         side.wait_stream(torch.cuda.current_stream(grad.device))
         with torch.cuda.stream(side):
-            source = grad.detach().reshape(-1)
-            if source.dtype != torch.float32:
-                source = source.float()  # converted on the device, in the side stream
+            # reshape copies a non-contiguous gradient and .float() converts one of another
+            # dtype: either way on the device, in the side stream, into memory of that stream
+            source = grad.detach().reshape(-1).float()
             buffer.copy_(source, non_blocking=True)
             done = torch.cuda.Event()
             done.record(side)
-        grad.record_stream(side)
-        if source is not grad:
-            source.record_stream(side)
+        grad.record_stream(side)  # not reused by the compute stream before the copy ran
         return done
 
     def to_device(self, master: torch.Tensor, p: torch.Tensor) -> None:
