@@ -14,9 +14,13 @@ WORKER = """
 import json, os, sys, time
 rank, world, init_file, out_dir, mode = sys.argv[1:6]
 env = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GLOO_SOCKET_IFNAME",
-                                  "OMP_NUM_THREADS", "EXTRA")}
-print(f"hello from rank {rank}")
+                                  "OMP_NUM_THREADS", "PYTHONUNBUFFERED", "EXTRA")}
+print(f"hello from rank {rank}")  # not flushed by hand: the launcher runs ranks unbuffered
+if mode == "fail" and rank == "0":
+    open(os.path.join(out_dir, "rank0-said-hello"), "w").close()
 if mode == "fail" and rank == "1":
+    while not os.path.exists(os.path.join(out_dir, "rank0-said-hello")):
+        time.sleep(0.01)  # fail only once rank 0 has printed, so the test does not race
     raise SystemExit("rank 1 gives up")
 if mode == "hang" or (mode == "fail" and rank == "0"):
     time.sleep(60)  # waits as a rank in a collective with a dead peer would
@@ -47,6 +51,7 @@ def test_ranks_get_torchrun_environment_and_arguments(worker: Path, tmp_path: Pa
             "WORLD_SIZE": "3",
             "GLOO_SOCKET_IFNAME": "lo",
             "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
             "EXTRA": "x",
         }
         assert (out / f"rank{rank}.log").read_text().strip() == f"hello from rank {rank}"

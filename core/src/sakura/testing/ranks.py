@@ -3,7 +3,8 @@ tests of distributed services on real process groups (gloo on a CPU).
 
 Each rank runs ``python SCRIPT RANK WORLD_SIZE INIT_FILE OUT_DIR *ARGS`` with ``RANK``,
 ``LOCAL_RANK`` and ``WORLD_SIZE`` set, ``GLOO_SOCKET_IFNAME=lo`` (gloo talks over the
-loopback interface only) and one OpenMP thread.  The worker joins the group with a file
+loopback interface only), one OpenMP thread and unbuffered output (``PYTHONUNBUFFERED=1``:
+a rank killed because another failed still shows what it printed).  The worker joins the group with a file
 rendezvous, which needs no free port::
 
     dist.init_process_group(
@@ -56,7 +57,14 @@ def launch_ranks(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     init_file = out / init_name
-    base = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", **(env or {})}
+    # Unbuffered output: a rank killed because another failed keeps what it printed.
+    base = {
+        **os.environ,
+        "GLOO_SOCKET_IFNAME": "lo",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        **(env or {}),
+    }
     logs = [out / f"rank{rank}.log" for rank in range(world_size)]
     procs: list[subprocess.Popen[bytes]] = []
     try:
