@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     options = {"min_bytes": args.min_bytes, "directory": directory}
     # Measure once, on a model of its own, for the budget.
     probe = make_model(args)
-    probe_planner = MemoryPlanner(10**15, **options)
+    probe_planner = MemoryPlanner(10**15, **options, cost_trials=0)
     probe_plan = probe_planner.plan(probe, lambda m=probe: m(input_ids=ids, labels=ids).loss)
     keep_peak = probe_plan.keep_peak
     budget = int(keep_peak * args.budget_fraction)
@@ -144,7 +144,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         elif name == "keep":
             pass  # the plain model
         else:
-            planner = MemoryPlanner(budget if name == "planner" else 10**15, **options)
+            planner = MemoryPlanner(
+                budget if name == "planner" else 10**15,
+                **options,
+                cost_trials=3 if name == "planner" else 0,  # the others' choice is forced
+            )
             plan = planner.plan(model, lambda m=model: m(input_ids=ids, labels=ids).loss)
             if name != "planner":
                 plan = planner.decide(CHOICE[name])
@@ -191,7 +195,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             planner.decide(plans[name].choices)
             estimated[name] = plans[name].estimated_peak
         else:
-            planner = MemoryPlanner(10**15, **options, track=True)
+            planner = MemoryPlanner(10**15, **options, track=True, cost_trials=0)
             planner.plan(model, lambda m=model: m(input_ids=ids, labels=ids).loss, trials=1)
             estimated[name] = planner.decide("keep").estimated_peak
         planner.reset_peak()

@@ -13,22 +13,26 @@ How it works:
    those bytes could be paged (:class:`~sakura_offload.paging.ActivationPaging`'s rules),
    the bytes of the block's tensor inputs (what recomputation keeps), the bytes its forward
    materialises (what recomputation creates again in backward), its parameter bytes and
-   its forward time.  The copy bandwidths of the host and disk tiers are measured on a
-   probe tensor through the same code that pages.  On a GPU the measuring pass pages every
-   pageable tensor to host RAM, so it fits where the unplanned model would not (its forward
-   time then includes those copies, which makes recomputing look dearer than it is).
-2. *Decide.*  The peak of saved activation bytes is estimated for a choice per block: at
+   its forward time.  On a GPU the measuring pass pages every pageable tensor to host RAM,
+   so it fits where the unplanned model would not.
+2. *Time.*  The extra time of each choice is measured (:mod:`sakura_offload._plan_costs`):
+   one block of each shape (the same class and measured bytes) runs forward + backward on
+   the inputs it got, under keep, each paging tier and recomputation, ``cost_trials``
+   rounds; a choice costs the median of its difference to keep.  Where that cannot run (a
+   block given objects a forward could change, ``cost_trials=0``) or a tier's bandwidth is
+   given, paging costs its bytes over the round-trip bandwidth (given, or probed with
+   tensors of one block's sizes) and recomputing the block's forward time.
+3. *Decide.*  The peak of saved activation bytes is estimated for a choice per block: at
    the end of the forward (everything outside the blocks + what each block leaves resident)
    and during each block's backward (the blocks before it + the block's activations brought
-   back, by copy or recomputation).  Paging costs its bytes over the measured round-trip
-   bandwidth, recomputing costs the measured forward time.  Starting from "keep
+   back, by copy or recomputation).  Starting from "keep
    everything", the move that lowers the peak most per second of extra time is taken until
    the budget is met; then moves back to cheaper choices are taken where the budget still
    holds.  Host paging is limited to a host budget (by default what leaves 10 % of
    physical RAM, at least 4 GiB, free and uses at most 60 % of the RAM available), disk
    paging to the free space of its directory.  A budget below what the model can reach
    raises :class:`MemoryBudgetError` with the least reachable peak.
-3. *Apply.*  Each block's wrapper then keeps, pages (saved-tensor hooks) or recomputes
+4. *Apply.*  Each block's wrapper then keeps, pages (saved-tensor hooks) or recomputes
    (``torch.utils.checkpoint``, non-reentrant, RNG state preserved).  Gradients are
    bit-identical to the unplanned model's for every choice.  With ``track=True`` the
    wrappers also count the live bytes of saved activations (``measured_peak``), including
@@ -69,6 +73,7 @@ from torch.utils.checkpoint import checkpoint
 from sakura import Service
 from sakura.blocks import find_blocks, validate_selector
 from sakura.options import check_bool, check_choice, check_int, check_number, option_error
+from sakura_offload._plan_costs import BlockSample, capture_sample, time_choices
 from sakura_offload.paging import ActivationPaging, is_broadcast, is_dense
 
 __all__ = [
@@ -96,6 +101,7 @@ _LABELS = {
     "page_disk": "page (disk)",
     "recompute": "recompute",
 }
+_COLUMN = len("+ms page (host)")
 _MARK = "_sakura_memory_plan"
 _CHECKPOINT_MARK = "_sakura_activation_checkpoint"  # sakura-precision's ActivationCheckpoint
 
@@ -184,7 +190,12 @@ class BlockDecision:
     choice: str
     """One of :data:`CHOICES`."""
     cost_seconds: float
-    """Estimated extra time per step of this choice."""
+    """Extra time per step of this choice (measured, or estimated: see ``costs_measured``)."""
+    costs: tuple[tuple[str, float], ...] = ()
+    """Extra seconds per step of each choice the planner could make, as it weighed them."""
+    costs_measured: bool = False
+    """Whether those costs were timed on the block (else estimated from copy bandwidth and
+    forward time)."""
 
     @property
     def resident_bytes(self) -> int:
@@ -219,8 +230,12 @@ class MemoryPlan:
     outside_bytes: int
     """Saved bytes outside the blocks (embeddings, head, loss)."""
     host_bandwidth: float
+    """Round-trip bytes/s of host paging: given, probed, or (when its costs were measured)
+    the effective figure, copy bytes over the measured extra time."""
     disk_bandwidth: float
     device: str
+    cost_trials: int = 0
+    """Timed rounds per choice the costs were measured with (0: estimated)."""
 
     @property
     def choices(self) -> dict[str, str]:
@@ -237,22 +252,32 @@ class MemoryPlan:
             f"memory plan ({self.device}): {budget}, estimated peak of saved activations "
             f"{_mb(self.estimated_peak)} (everything kept: {_mb(self.keep_peak)}, least "
             f"reachable: {_mb(self.least_peak)}; outside the blocks: {_mb(self.outside_bytes)})",
-            f"copy round trip: host {self.host_bandwidth / 1e9:.2f} GB/s, disk "
+            (
+                f"costs measured ({self.cost_trials} timed forward + backward per choice and "
+                "block shape); effective copy round trip"
+                if any(d.costs_measured for d in self.decisions)
+                else "costs estimated; copy round trip"
+            )
+            + f": host {self.host_bandwidth / 1e9:.2f} GB/s, disk "
             + (f"{self.disk_bandwidth / 1e9:.2f} GB/s" if self.disk_bandwidth else "not used")
-            + "; estimated extra time per step "
+            + "; extra time per step "
             f"{self.estimated_cost_seconds * 1e3:.2f} ms",
         ]
         width = max(len("block"), *(len(d.name) for d in self.decisions))
+        options = [c for c, _ in self.decisions[0].costs if c != "keep"] if self.decisions else []
         header = (
-            f"{'block':<{width}}  {'activation MB':>13}  {'params MB':>9}  "
-            f"{'forward ms':>10}  {'choice':<11}  {'est. cost ms':>12}"
+            f"{'block':<{width}}  {'activation MB':>13}  {'params MB':>9}  {'forward ms':>10}"
+            + "".join(f"  {'+ms ' + _LABELS[c]:>{_COLUMN}}" for c in options)
+            + f"  {'choice':<11}  {'+ms chosen':>10}"
         )
         lines += [header, "-" * len(header)]
         for d in self.decisions:
+            costs = dict(d.costs)
             lines.append(
                 f"{d.name:<{width}}  {d.activation_bytes / 1e6:>13.2f}  "
-                f"{d.parameter_bytes / 1e6:>9.2f}  {d.forward_seconds * 1e3:>10.2f}  "
-                f"{d.label:<11}  {d.cost_seconds * 1e3:>12.2f}"
+                f"{d.parameter_bytes / 1e6:>9.2f}  {d.forward_seconds * 1e3:>10.2f}"
+                + "".join(f"  {costs.get(c, math.nan) * 1e3:>{_COLUMN}.2f}" for c in options)
+                + f"  {d.label:<11}  {d.cost_seconds * 1e3:>10.2f}"
             )
         return "\n".join(lines)
 
@@ -310,6 +335,7 @@ class _Measured:
     forward_seconds: list[float] = field(default_factory=list)
     counted_seconds: list[float] = field(default_factory=list)
     calls: int = 0
+    sample: BlockSample | None = None  # the last call's inputs, for timing the choices
 
 
 class _Recorder:
@@ -336,6 +362,7 @@ class _Recorder:
             block.copy_bytes = 0
             block.order = -1
             block.calls = 0
+            block.sample = None
 
     def end_forward(self) -> None:
         self.forwards += 1
@@ -580,15 +607,9 @@ class _PlannedForward:
         if self.choice == "measure":
             return planner._measure_call(self.index, forward, args, kwargs)
         if not planner.track:
-            if self.choice == "keep":
-                return forward(*args, **kwargs)
-            if self.choice == "recompute":
-                return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-            pager = planner._pagers[self.choice]
-            with torch.autograd.graph.saved_tensors_hooks(
-                planner._page_pack(pager, None), planner._page_unpack(pager)
-            ):
-                return forward(*args, **kwargs)
+            return planner._run_plain(
+                self.choice, forward, args, kwargs, planner._pagers.get(self.choice)
+            )
         return planner._tracked_call(self.choice, self.module, forward, args, kwargs)
 
 
@@ -632,8 +653,14 @@ class MemoryPlanner:
         disk: whether disk paging may be chosen.
         directory: where disk pages go (default: the system's temporary directory).
         min_bytes: saved tensors smaller than this are never paged (as ActivationPaging).
-        host_bandwidth, disk_bandwidth: round-trip bytes per second of each tier; ``None``
-            measures them.
+        host_bandwidth, disk_bandwidth: round-trip bytes per second of each tier: paging
+            there then costs its copy bytes over this figure.  ``None``: timed (see
+            ``cost_trials``).
+        cost_trials: timed rounds per choice that measure each block shape's extra time
+            for every choice (its forward + backward on the inputs of the measured pass,
+            after one untimed round; the median counts).  ``0``: estimate instead, paging
+            as copy bytes over a probed bandwidth and recomputation as the block's forward
+            time.
         track: count the live bytes of saved activations under the plan
             (``measured_peak``); costs a hook per saved tensor.
     """
@@ -649,6 +676,7 @@ class MemoryPlanner:
         min_bytes: int = 1 << 16,
         host_bandwidth: float | None = None,
         disk_bandwidth: float | None = None,
+        cost_trials: int = 3,
         track: bool = False,
     ) -> None:
         self.budget = parse_bytes("budget", budget, minimum=1, allow_none=True)
@@ -667,6 +695,7 @@ class MemoryPlanner:
             "disk_bandwidth", disk_bandwidth, minimum=0.0, min_inclusive=False, allow_none=True,
             owner=_OWNER,
         )  # fmt: skip
+        self.cost_trials: int = check_int("cost_trials", cost_trials, minimum=0, owner=_OWNER)
         self.track = check_bool("track", track, owner=_OWNER)
         self.model: nn.Module | None = None
         self.device = torch.device("cpu")
@@ -687,6 +716,7 @@ class MemoryPlanner:
         self._auto_budget: int | None = None
         self.on_planned: Callable[[MemoryPlan], None] | None = None
         self.measure_forwards = 1
+        self._timed: tuple[int, dict[int, dict[str, float]]] | None = None
 
     # --- attaching ---------------------------------------------------------------------
 
@@ -862,6 +892,8 @@ class MemoryPlanner:
             block.counted_seconds.append(elapsed)
         else:
             block.forward_seconds.append(elapsed)
+        if self.cost_trials:
+            block.sample = capture_sample(self.wrappers[index].module, forward, args, kwargs)
         return out
 
     def _run_sample(self, sample: Any) -> None:
@@ -916,7 +948,10 @@ class MemoryPlanner:
         if given is not None:
             return float(given)
         pager = self._pager("page_host" if tier == "host" else "page_disk")
-        probes = [torch.randn(max(1, n // 4), device=self.device) for n in self._probe_sizes()]
+        # filled, not random: the probe must not draw from the training's RNG
+        probes = [
+            torch.full((max(1, n // 4),), 1.5, device=self.device) for n in self._probe_sizes()
+        ]
         nbytes = sum(p.numel() * p.element_size() for p in probes)
         best = math.inf
         for _ in range(5):
@@ -984,6 +1019,75 @@ class MemoryPlanner:
             )
         return out
 
+    def _cached_costs(self) -> dict[int, dict[str, float]]:
+        recorder = self._recorder
+        if self._timed is None or recorder is None or self._timed[0] != recorder.forwards:
+            return {}
+        return self._timed[1]
+
+    def _timed_costs(
+        self, measured: Sequence[BlockDecision], allowed: Sequence[str]
+    ) -> dict[int, dict[str, float]]:
+        """Block index -> extra seconds per step of each choice, timed on one block of each
+        shape (blocks with the same measured bytes and class) through the code the plan
+        runs; blocks that could not be timed are missing (their costs are estimated).  A
+        tier with a given bandwidth is not timed.  Done once per measurement."""
+        recorder = self._recorder
+        if recorder is None or self.cost_trials == 0:
+            return {}
+        if self._timed is not None and self._timed[0] == recorder.forwards:
+            return self._timed[1]
+        given = {"page_host": self.host_bandwidth, "page_disk": self.disk_bandwidth}
+        choices = [c for c in allowed if given.get(c) is None]
+        pagers = {c: self._pager(c) for c in choices if c in given}
+        shapes: dict[tuple[Any, ...], list[int]] = {}
+        for i in self._order():
+            d, block = measured[i], recorder.blocks[i]
+            key = (
+                type(self.wrappers[i].module),
+                block.calls,
+                d.activation_bytes,
+                d.pageable_bytes,
+                d.copy_bytes,
+                d.input_bytes,
+                d.recompute_bytes,
+                d.parameter_bytes,
+            )
+            shapes.setdefault(key, []).append(i)
+
+        def run(choice: str, forward: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+            return self._run_plain(choice, forward, args, kwargs, pagers.get(choice))
+
+        timed: dict[int, dict[str, float]] = {}
+        for indices in shapes.values():
+            samples = [recorder.blocks[i].sample for i in indices]
+            sample = next((s for s in samples if s is not None), None)
+            costs = time_choices(sample, choices, run, self.cost_trials) if sample else None
+            if costs is not None:
+                for i in indices:
+                    calls = recorder.blocks[i].calls
+                    timed[i] = {c: seconds * calls for c, seconds in costs.items()}
+        for block in recorder.blocks:
+            block.sample = None  # the inputs' storages are not held beyond this
+        self._timed = (recorder.forwards, timed)
+        return timed
+
+    def _tier_bandwidth(
+        self,
+        choice: str,
+        measured: Sequence[BlockDecision],
+        timed: Mapping[int, Mapping[str, float]],
+    ) -> float:
+        """The round-trip bandwidth shown for a paging tier and used for blocks whose cost
+        was not timed: given, or probed when some block needs it, else the effective one."""
+        tier = "host" if choice == "page_host" else "disk"
+        given = self.host_bandwidth if tier == "host" else self.disk_bandwidth
+        if given is not None or any(choice not in timed.get(i, {}) for i in range(len(measured))):
+            return self._bandwidth(tier)
+        copied = sum(d.copy_bytes for d in measured)
+        seconds = sum(timed[i][choice] for i in range(len(measured)))
+        return copied / max(seconds, 1e-9)
+
     def _order(self) -> list[int]:
         recorder = self._recorder
         if recorder is None:  # pragma: no cover
@@ -1000,10 +1104,12 @@ class MemoryPlanner:
         order = self._order()
         pre = recorder.outside_pre
         outside = sum(recorder.outside.values())
-        host_bw = self._bandwidth("host")
         given = self._given_choices(choices) if choices is not None else None
         use_disk = self.disk or (given is not None and "page_disk" in given)
-        disk_bw = self._bandwidth("disk") if use_disk else 0.0
+        allowed = ["keep", "page_host", "recompute"] + (["page_disk"] if use_disk else [])
+        timed = self._timed_costs(measured, allowed) if given is None else self._cached_costs()
+        host_bw = self._tier_bandwidth("page_host", measured, timed)
+        disk_bw = self._tier_bandwidth("page_disk", measured, timed) if use_disk else 0.0
         host_cap = self.host_budget if self.host_budget is not None else default_host_budget()
         disk_cap = 0
         if self.disk:
@@ -1017,6 +1123,9 @@ class MemoryPlanner:
             d = measured[i]
             if choice == "keep":
                 return 0.0
+            seconds = timed.get(i, {}).get(choice)
+            if seconds is not None:
+                return seconds
             if choice == "recompute":
                 return d.forward_seconds
             bandwidth = host_bw if choice == "page_host" else disk_bw
@@ -1040,7 +1149,6 @@ class MemoryPlanner:
             disk = sum(measured[i].copy_bytes for i, c in enumerate(plan) if c == "page_disk")
             return host <= host_cap and disk <= disk_cap
 
-        allowed = ["keep", "page_host", "recompute"] + (["page_disk"] if self.disk else [])
         n = len(measured)
 
         def descend(target: int) -> list[str]:
@@ -1110,7 +1218,13 @@ class MemoryPlanner:
                     improved = True
             planned_for = budget
         decisions = tuple(
-            dataclasses.replace(d, choice=plan[i], cost_seconds=cost(i, plan[i]))
+            dataclasses.replace(
+                d,
+                choice=plan[i],
+                cost_seconds=cost(i, plan[i]),
+                costs=tuple((c, cost(i, c)) for c in allowed),
+                costs_measured=i in timed,
+            )
             for i, d in enumerate(measured)
         )
         result = MemoryPlan(
@@ -1123,6 +1237,7 @@ class MemoryPlanner:
             host_bandwidth=host_bw,
             disk_bandwidth=disk_bw,
             device=str(self.device),
+            cost_trials=self.cost_trials if timed else 0,
         )
         self._apply(result)
         return result
@@ -1223,6 +1338,26 @@ class MemoryPlanner:
 
         return unpack
 
+    def _run_plain(
+        self,
+        choice: str,
+        forward: Callable[..., Any],
+        args: Any,
+        kwargs: Any,
+        pager: _Pager | None,
+    ) -> Any:
+        """One call of a block's ``forward`` under ``choice``, without tracking."""
+        if choice == "keep":
+            return forward(*args, **kwargs)
+        if choice == "recompute":
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        if pager is None:  # pragma: no cover - _apply builds one per paging choice
+            raise RuntimeError(f"MemoryPlanner: no pager for {choice}")
+        with torch.autograd.graph.saved_tensors_hooks(
+            self._page_pack(pager, None), self._page_unpack(pager)
+        ):
+            return forward(*args, **kwargs)
+
     def _tracked_call(
         self, choice: str, module: nn.Module, forward: Callable[..., Any], args: Any, kwargs: Any
     ) -> Any:
@@ -1292,6 +1427,7 @@ class MemoryPlanService(Service):
         min_bytes: int = 1 << 16,
         host_bandwidth: float | None = None,
         disk_bandwidth: float | None = None,
+        cost_trials: int = 3,
         track: bool = False,
         measure_steps: int = 2,
         report: bool = True,
@@ -1311,6 +1447,7 @@ class MemoryPlanService(Service):
             min_bytes=min_bytes,
             host_bandwidth=host_bandwidth,
             disk_bandwidth=disk_bandwidth,
+            cost_trials=cost_trials,
             track=track,
         )
         self.planner.measure_forwards = self.measure_steps
