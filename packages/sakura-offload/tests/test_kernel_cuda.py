@@ -50,7 +50,7 @@ def test_compiles_with_the_exports_and_abi(built: tuple[Path, ctypes.CDLL]) -> N
         ["nm", "-D", "--defined-only", str(path)], capture_output=True, text=True, check=True
     ).stdout
     assert {line.split()[-1] for line in listed.splitlines() if line.strip()} >= EXPORTS
-    assert lib.sakura_offload_cuda_abi_version() == _kernel.CUDA_LIBRARY.abi_version == 1
+    assert lib.sakura_offload_cuda_abi_version() == _kernel.CUDA_LIBRARY.abi_version == 2
 
 
 def test_the_kernel_arithmetic_matches_torch_adamw(built: tuple[Path, ctypes.CDLL]) -> None:

@@ -45,17 +45,26 @@ def test_int8_moments_drift_under_ten_percent(backend: str) -> None:
     assert drift(model, reference(30)) < 0.10
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bf16", "int8"])
-def test_kernel_and_torch_paths_agree(dtype: str) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "extreme"),
+    [("float32", False), ("bf16", False), ("int8", False), ("int8", True)],
+)
+def test_kernel_and_torch_paths_agree(dtype: str, extreme: bool) -> None:
     # One step from the same state: same formats, same random streams, so only float
-    # rounding differences (and the rare code they flip) remain.
+    # rounding differences (and the rare code they flip) remain.  extreme: blocks of
+    # gradients around 1e9 (absmaxes past the kernel's one-multiplication scales) and
+    # 1e-12 beside ordinary ones, each spread over 7 decades (subnormal codes).
     g = torch.Generator().manual_seed(0)
     param = torch.nn.Parameter(torch.randn(3000, generator=g))
+    magnitude = torch.ones(3000)
+    if extreme:
+        magnitude[:1024], magnitude[1024:2048] = 1e9, 1e-12
+        magnitude *= torch.logspace(-7, 0, 3000)[torch.randperm(3000, generator=g)]
     opt = OffloadAdamW([param], **HYPER, moment_dtype=dtype, backend="torch")
     for _ in range(3):
-        param.grad = torch.randn(3000, generator=g) * torch.logspace(-4, 0, 3000)
+        param.grad = torch.randn(3000, generator=g) * torch.logspace(-4, 0, 3000) * magnitude
         opt.step()
-    param.grad = torch.randn(3000, generator=g)
+    param.grad = torch.randn(3000, generator=g) * magnitude
     results = []
     for backend in BACKENDS:
         twin = torch.nn.Parameter(param.detach().clone())

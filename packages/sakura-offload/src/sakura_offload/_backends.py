@@ -184,7 +184,7 @@ class TorchBackend:
         codes, absmax = fmt.quantize_blocks(m, signed=True)
         m_codes.copy_(codes)
         m_absmax.copy_(absmax)
-        bits = fmt.element_bits(h.key, s_codes.numel())
+        bits = fmt.pair_bits(h.key, s_absmax.numel())
         codes, absmax = fmt.quantize_blocks(root, signed=False, bits=bits)
         s_codes.copy_(codes)
         s_absmax.copy_(absmax)

@@ -8,11 +8,17 @@ state_dict conversion and the C++ kernel's decode tables all use.
   small float relative to it.  ``exp_avg``: sign + E4M3 (exponent bias 15, subnormals),
   rounded to nearest even.  ``exp_avg_sq`` is stored as its square root (halving its
   dynamic range in log space) as unsigned E4M4 (bias 15, subnormals), stochastically
-  rounded.  The absmax maps to the largest code (1.875, 1.9375).
+  rounded with 16 random bits.  The absmax maps to the largest code (1.875, 1.9375).
+  Encoding multiplies each value by the block's scale and by 2**-112 (one factor,
+  :func:`encode_scale`), which puts a code's exponent and mantissa in their float32 bit
+  positions, float32's denormals holding the subnormal codes; integer operations on the
+  bits then round it (the decode, reversed).
 
-Random bits are a counter-based hash of (key, element index), so the kernel and this
-module produce the same bits on any thread count.  ``key`` mixes the optimizer's seed, the
-step and the tensor's index (:func:`stream_key`).
+Random bits are a counter-based hash of (key, index), so the kernel and this module
+produce the same bits on any thread count: one hash per element for ``bf16``
+(:func:`element_bits`), one per pair of values ``j``, ``j + 128`` of an int8 block
+(:func:`pair_bits`).  ``key`` mixes the optimizer's seed, the step and the tensor's index
+(:func:`stream_key`).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import torch
 
 __all__ = [
     "BLOCK",
+    "CODE_SHIFT",
     "SIGNED_MAX",
     "SIGNED_TABLE",
     "UNSIGNED_MAX",
@@ -30,9 +37,11 @@ __all__ = [
     "decode_signed",
     "decode_unsigned",
     "element_bits",
+    "encode_scale",
     "encode_signed_nearest",
     "encode_unsigned_stochastic",
     "mix32",
+    "pair_bits",
     "quantize_blocks",
     "stream_key",
 ]
@@ -40,6 +49,8 @@ __all__ = [
 BLOCK = 256
 SIGNED_MAX = 1.875
 UNSIGNED_MAX = 1.9375
+CODE_SHIFT = 2.0**-112
+"""What a scaled value is multiplied by before its bits are rounded to a code."""
 _MASK = 0xFFFFFFFF
 
 
@@ -75,6 +86,14 @@ def element_bits(key: int, n: int) -> torch.Tensor:
     return _mix32_tensor((index * 0x9E3779B9 + key) & _MASK)
 
 
+def pair_bits(key: int, blocks: int) -> torch.Tensor:
+    """16 random bits (int64 tensor) for each of the ``blocks * BLOCK`` values of int8
+    blocks: hash ``b * 128 + j`` (as :func:`element_bits`) gives value ``j`` of block ``b``
+    its low 16 bits and value ``j + 128`` its high 16 bits."""
+    pairs = element_bits(key, blocks * (BLOCK // 2)).view(blocks, BLOCK // 2)
+    return torch.cat((pairs & 0xFFFF, pairs >> 16), dim=1).reshape(-1)
+
+
 def _table(signed: bool) -> torch.Tensor:
     mantissa_bits = 3 if signed else 4
     values = []
@@ -106,24 +125,44 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.int32).to(torch.int64) & _MASK
 
 
+def encode_scale(absmax: torch.Tensor, top: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The factors ``(first, second)`` that take a block's values to the code domain,
+    ``(x * first) * second`` (float32): ``first = top / absmax * 2**-112`` and ``second =
+    1`` where that product is a normal float (absmax <= top * 2**14), else ``first = top /
+    absmax`` and ``second = 2**-112`` (as one factor it would lose bits as a denormal)."""
+    inv = torch.where(absmax > 0, top / absmax, torch.zeros_like(absmax))
+    one_step = (inv >= 2.0**-14) | (inv == 0)
+    first = torch.where(one_step, inv * CODE_SHIFT, inv)
+    second = torch.where(one_step, torch.ones_like(inv), torch.full_like(inv, CODE_SHIFT))
+    return first, second
+
+
+def _signed_codes(y: torch.Tensor) -> torch.Tensor:
+    # round the magnitude's bits to nearest even at bit 20, saturate, add the sign bit
+    b = _bits(y)
+    mag = b & 0x7FFFFFFF
+    mag = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20).clamp_(max=127)
+    return (mag | ((b >> 24) & 0x80)).to(torch.uint8)
+
+
+def _unsigned_codes(y: torch.Tensor, bits16: torch.Tensor) -> torch.Tensor:
+    # 16 random bits stand for the 19 truncated ones: shifted up 3, plus 4 (the middle of
+    # the 8 values they cannot tell apart), so rounding up has the truncated fraction's
+    # chance within 2**-17
+    dither = ((bits16 << 3) & 0x7FFF8) | 4
+    return ((_bits(y) + dither) >> 19).clamp_(max=255).to(torch.uint8)
+
+
 def encode_signed_nearest(x: torch.Tensor) -> torch.Tensor:
-    """uint8 codes of ``x`` (float32, already scaled so the absmax is :data:`SIGNED_MAX`)."""
-    a = x.abs()
-    b = _bits(a)
-    normal = ((b + 0x7FFFF + ((b >> 20) & 1)) >> 20) - (112 << 3)
-    sub = torch.round(a * 2.0**17).to(torch.int64)
-    mag = torch.where(a < 2.0**-14, sub, normal).clamp_(max=127)
-    return (mag | ((x < 0).to(torch.int64) << 7)).to(torch.uint8)
+    """uint8 codes of ``x`` (float32, already scaled so the absmax is :data:`SIGNED_MAX`),
+    rounded to nearest even."""
+    return _signed_codes(x * CODE_SHIFT)
 
 
 def encode_unsigned_stochastic(a: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """uint8 codes of ``a >= 0`` (float32, scaled so the absmax is :data:`UNSIGNED_MAX`),
-    stochastically rounded with the 32 random ``bits`` per element."""
-    b = _bits(a)
-    normal = ((b + (bits & 0x7FFFF)) >> 19) - (112 << 4)
-    u = (bits >> 8).to(torch.float32) * 2.0**-24
-    sub = torch.floor(a * 2.0**18 + u).to(torch.int64)
-    return torch.where(a < 2.0**-14, sub, normal).clamp_(max=255).to(torch.uint8)
+    stochastically rounded with the low 16 of the random ``bits`` of each element."""
+    return _unsigned_codes(a * CODE_SHIFT, bits)
 
 
 def decode_signed(codes: torch.Tensor, absmax: torch.Tensor, numel: int) -> torch.Tensor:
@@ -144,21 +183,23 @@ def quantize_blocks(
     values: torch.Tensor, *, signed: bool, bits: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(padded uint8 codes, absmax per block) of a flat float32 tensor: signed values
-    rounded to nearest; non-negative ones (``signed=False``) stochastically with ``bits``
-    (32 random bits per padded element, required then)."""
+    rounded to nearest; non-negative ones (``signed=False``; -0.0 counts as 0)
+    stochastically with ``bits`` (16 random bits per padded element, :func:`pair_bits`;
+    required then)."""
     numel = values.numel()
     padded = torch.zeros(blocks_for(numel) * BLOCK, dtype=torch.float32)
     padded[:numel] = values.reshape(-1)
+    if not signed:
+        padded = padded.clamp_(min=0.0).abs_()  # the code takes the sign bit as it is
     grid = padded.view(-1, BLOCK)
     absmax = grid.abs().amax(dim=1) if signed else grid.amax(dim=1)
-    top = SIGNED_MAX if signed else UNSIGNED_MAX
-    inv = torch.where(absmax > 0, top / absmax, torch.zeros_like(absmax))
-    scaled = (grid * inv.view(-1, 1)).reshape(-1)
+    first, second = encode_scale(absmax, SIGNED_MAX if signed else UNSIGNED_MAX)
+    y = ((grid * first.view(-1, 1)) * second.view(-1, 1)).reshape(-1)
     if signed:
-        return encode_signed_nearest(scaled), absmax
+        return _signed_codes(y), absmax
     if bits is None:
         raise ValueError("quantize_blocks(signed=False) needs the random bits")
-    return encode_unsigned_stochastic(scaled, bits), absmax
+    return _unsigned_codes(y, bits), absmax
 
 
 def bf16_stochastic(x: torch.Tensor, bits16: torch.Tensor) -> torch.Tensor:

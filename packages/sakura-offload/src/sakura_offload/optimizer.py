@@ -519,7 +519,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             flat_m, flat_v = (t.reshape(-1) for t in moments)
             codes, absmax = fmt.quantize_blocks(flat_m, signed=True)
             key = fmt.stream_key(self.seed ^ _IMPORT_STREAM, int(step_value), self._index[p])
-            bits = fmt.element_bits(key, codes.numel())
+            bits = fmt.pair_bits(key, absmax.numel())
             s_codes, s_absmax = fmt.quantize_blocks(
                 flat_v.clamp(min=0).sqrt(), signed=False, bits=bits
             )

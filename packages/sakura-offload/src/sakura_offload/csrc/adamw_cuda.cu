@@ -9,10 +9,12 @@
 //
 // The element arithmetic is host_adamw.cpp's own (adamw_math.h, __host__ __device__
 // here); compiled with --fmad=false so no multiply-add is fused, and sqrt and division
-// are IEEE (nvcc's defaults).  The random bits are the same counter-based hash of
-// (key, element index), so the stochastic rounding draws the same numbers as the CPU
-// kernel and the pure-torch path.  For int8 moments one thread block of 256 threads
-// handles one block of 256 values (the reduction is a max, exact in any order).
+// are IEEE (nvcc's defaults).  The random bits are the same counter-based hashes (of the
+// element index for bf16, of the pair of values j, j + 128 of a block for int8), so the
+// stochastic rounding draws the same numbers as the CPU kernel and the pure-torch path.
+// For int8 moments one thread block of 256 threads handles one block of 256 values (the
+// reduction is a max, exact in any order) and writes all 256 codes (zeros past the end, as
+// the other implementations).
 //
 // sakura_adamw_*_emulate run the same element functions on the host, sequentially: the
 // test that holds this file to the CPU kernel runs them on a machine without a GPU.
@@ -62,15 +64,14 @@ __host__ __device__ inline void int8_update(const Hyper& h, float* p, const floa
   s_new = s;
 }
 
+// Value j of block b, index i: its two codes from the new m and sqrt(v) (zeros past the
+// end of the tensor) and the block's encode scales.
 __host__ __device__ inline void int8_encode(uint8_t* m_codes, uint8_t* s_codes, float m_new,
-                                            float s_new, float m_inv, float s_inv, uint32_t key,
-                                            int64_t i) {
-  m_codes[i] = signed_encode_nearest(m_new * m_inv);
-  s_codes[i] = unsigned_encode_stochastic(s_new * s_inv, element_bits(key, i));
-}
-
-__host__ __device__ inline float inverse_of(float max, float top) {
-  return max > 0.0f ? top / max : 0.0f;
+                                            float s_new, EncodeScale m_sc, EncodeScale s_sc,
+                                            uint32_t key, int64_t b, int j) {
+  const int64_t i = b * kBlock + j;
+  m_codes[i] = signed_encode_nearest(m_new * m_sc.first * m_sc.second);
+  s_codes[i] = unsigned_encode_stochastic(s_new * s_sc.first * s_sc.second, pair_bits(key, b, j));
 }
 
 // --- kernels -----------------------------------------------------------------------------
@@ -115,9 +116,8 @@ __global__ void int8_kernel(Hyper h, float* p, const float* g, uint8_t* m_codes,
     __syncthreads();
   }
   const float m_top = m_max[0], s_top = s_max[0];
-  if (live)
-    int8_encode(m_codes, s_codes, m_new, s_new, inverse_of(m_top, kSignedMax),
-                inverse_of(s_top, kUnsignedMax), key, i);
+  int8_encode(m_codes, s_codes, m_new, s_new, encode_scale(m_top, kSignedMax),
+              encode_scale(s_top, kUnsignedMax), key, b, j);
   if (j == 0) {
     m_absmax[b] = m_top;
     s_absmax[b] = s_top;
@@ -134,7 +134,7 @@ unsigned grid_for(int64_t n) {
 
 extern "C" {
 
-int sakura_offload_cuda_abi_version(void) { return 1; }
+int sakura_offload_cuda_abi_version(void) { return 2; }
 
 // cudaSuccess (0) when a device can be used by this library's runtime.
 int sakura_offload_cuda_probe(void) {
@@ -218,15 +218,18 @@ void sakura_adamw_int8_emulate(float* p, const float* g, uint8_t* m_codes, float
     const float m_scale = m_absmax[b] / kSignedMax;
     const float s_scale = s_absmax[b] / kUnsignedMax;
     float m_top = 0.0f, s_top = 0.0f;
-    for (int64_t j = 0; j < len; ++j) {
-      int8_update(h, p, g, m_codes, s_codes, m_scale, s_scale, begin + j, m_new[j], s_new[j]);
+    for (int64_t j = 0; j < kBlock; ++j) {
+      m_new[j] = s_new[j] = 0.0f;
+      if (j < len)
+        int8_update(h, p, g, m_codes, s_codes, m_scale, s_scale, begin + j, m_new[j], s_new[j]);
       const float am = fabsf(m_new[j]);
       m_top = m_top > am ? m_top : am;
       s_top = s_top > s_new[j] ? s_top : s_new[j];
     }
-    for (int64_t j = 0; j < len; ++j)
-      int8_encode(m_codes, s_codes, m_new[j], s_new[j], inverse_of(m_top, kSignedMax),
-                  inverse_of(s_top, kUnsignedMax), key, begin + j);
+    const EncodeScale m_sc = encode_scale(m_top, kSignedMax);
+    const EncodeScale s_sc = encode_scale(s_top, kUnsignedMax);
+    for (int j = 0; j < kBlock; ++j)
+      int8_encode(m_codes, s_codes, m_new[j], s_new[j], m_sc, s_sc, key, b, j);
     m_absmax[b] = m_top;
     s_absmax[b] = s_top;
   }

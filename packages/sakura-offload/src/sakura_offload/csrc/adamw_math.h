@@ -52,46 +52,78 @@ SAKURA_HD inline uint16_t bf16_encode_stochastic(float f, uint32_t r16) {
 }
 
 // The value of a code, from its bits: placed in an fp32 pattern (sign, exponent and
-// mantissa in fp32's positions) and rebiased by a multiplication by 2^(127-15), which also
-// turns the subnormal codes into their values through an fp32 denormal.  (Under a
-// flush-denormals mode, e.g. torch.set_flush_denormal(True), those read as zero.)
+// mantissa in fp32's positions), which is the value times 2^-112 (code_bits), then
+// rebiased by a multiplication by 2^(127-15), which also turns the subnormal codes into
+// their values through an fp32 denormal.  (Under a flush-denormals mode, e.g.
+// torch.set_flush_denormal(True), those read as zero.)  The host kernel folds the 2^112
+// into the block's scale where that product is finite: the same single rounding of the
+// same real product.  The signed code is sign-extended so one shift and one mask place its
+// sign and magnitude.
+constexpr float kDecodeShift = 0x1p112f;
+
+SAKURA_HD inline float signed_code_bits(uint8_t code) {
+  const uint32_t c = static_cast<uint32_t>(static_cast<int32_t>(static_cast<int8_t>(code)));
+  return from_bits((c << 20) & 0x87F00000U);
+}
+
+SAKURA_HD inline float unsigned_code_bits(uint8_t code) {
+  return from_bits(static_cast<uint32_t>(code) << 19);
+}
+
 SAKURA_HD inline float signed_decode(uint8_t code) {
-  const uint32_t c = code;
-  return from_bits(((c & 0x7FU) << 20) | ((c & 0x80U) << 24)) * 0x1p112f;
+  return signed_code_bits(code) * kDecodeShift;
 }
 
 SAKURA_HD inline float unsigned_decode(uint8_t code) {
-  return from_bits(static_cast<uint32_t>(code) << 19) * 0x1p112f;
+  return unsigned_code_bits(code) * kDecodeShift;
 }
 
-// sign + E4M3 magnitude of x (already scaled so the block's absmax is kSignedMax).
-// Branch-free (both cases computed, one selected) so the loop vectorises.
-SAKURA_HD inline uint8_t signed_encode_nearest(float x) {
-  const float a = fabsf(x);
-  // subnormal codes 0..8: round-to-nearest-even through the 2^23 trick (on a clamped
-  // value, so the conversion is always in range)
-  const float t = a < 0x1p-14f ? a : 0x1p-14f;
-  const uint32_t sub = static_cast<uint32_t>(static_cast<int32_t>((t * 0x1p17f + 0x1p23f) - 0x1p23f));
-  uint32_t b = to_bits(a);
-  b += 0x7FFFFU + ((b >> 20) & 1U);
-  const uint32_t normal = (b >> 20) - (112U << 3);
-  uint32_t mag = a < 0x1p-14f ? sub : normal;
+// Encoding is the decode reversed: a value x (scaled so the block's absmax is kSignedMax or
+// kUnsignedMax) is multiplied by 2^-112, which leaves the code's exponent and mantissa in
+// their fp32 positions, and fp32's own denormals hold the subnormal codes (no separate
+// path, no conversion: integer operations on the bits round it).  The block's scale and the
+// 2^-112 are one factor where that is a normal float, two multiplications otherwise
+// (encode_scale); every implementation applies them alike.
+constexpr float kCodeShift = 0x1p-112f;
+
+struct EncodeScale {
+  float first;   // the value is (x * first) * second
+  float second;  // 1 whenever the block's absmax allows one factor (almost always)
+};
+
+SAKURA_HD inline EncodeScale encode_scale(float absmax, float top) {
+  const float inv = absmax > 0.0f ? top / absmax : 0.0f;
+  // inv * 2^-112 is a normal float (so exact) for inv >= 2^-14, i.e. absmax <= top * 2^14
+  if (inv >= 0x1p-14f || inv == 0.0f) return EncodeScale{inv * kCodeShift, 1.0f};
+  return EncodeScale{inv, kCodeShift};
+}
+
+// sign + E4M3 of y (a value times its EncodeScale), rounded to nearest even: on the
+// magnitude's bits, round at bit 20 (the carry may step into the next binade; subnormal
+// codes round the same way on the denormal's bits), saturate at 127, then the sign bit.
+SAKURA_HD inline uint8_t signed_encode_nearest(float y) {
+  const uint32_t b = to_bits(y);
+  uint32_t mag = b & 0x7FFFFFFFU;
+  mag = (mag + 0x7FFFFU + ((mag >> 20) & 1U)) >> 20;
   mag = mag < 127U ? mag : 127U;
-  return static_cast<uint8_t>(mag | (x < 0.0f ? 0x80U : 0U));
+  return static_cast<uint8_t>(mag | ((b >> 24) & 0x80U));
 }
 
-// unsigned E4M4 code of a >= 0 (scaled so the block's absmax is kUnsignedMax), rounded
-// stochastically with the random bits r.  Branch-free, as above.
-SAKURA_HD inline uint8_t unsigned_encode_stochastic(float a, uint32_t r) {
-  const float u = static_cast<float>(static_cast<int32_t>(r >> 8)) * 0x1p-24f;
-  // Clamped so the conversion is always in range (the compiler then computes both cases);
-  // t * 2^18 + u is >= 0, so truncation is floor.
-  const float t = a < 0x1p-14f ? a : 0x1p-14f;
-  const uint32_t sub = static_cast<uint32_t>(static_cast<int32_t>(t * 0x1p18f + u));
-  const uint32_t normal = ((to_bits(a) + (r & 0x7FFFFU)) >> 19) - (112U << 4);
-  uint32_t mag = a < 0x1p-14f ? sub : normal;
-  mag = mag < 255U ? mag : 255U;
-  return static_cast<uint8_t>(mag);
+// unsigned E4M4 of y >= 0 (a value times its EncodeScale), rounded stochastically with 16
+// random bits r16: they stand for the 19 bits truncated below the code's mantissa (shifted
+// up 3, plus 4 so they sit at the middle of each 8-wide step: the chance of rounding up is
+// within 2^-17 of the exact fraction, with no bias on average).
+SAKURA_HD inline uint8_t unsigned_encode_stochastic(float y, uint32_t r16) {
+  const uint32_t mag = (to_bits(y) + (((r16 << 3) & 0x7FFF8U) | 4U)) >> 19;
+  return static_cast<uint8_t>(mag < 255U ? mag : 255U);
+}
+
+// The 16 random bits of value j (0..255) of int8 block b: one hash per pair (j, j + 128),
+// its low half for the first, its high half for the second.
+SAKURA_HD inline uint32_t pair_bits(uint32_t key, int64_t block, int j) {
+  const uint32_t pair = static_cast<uint32_t>(block * (kBlock / 2) + (j & 127));
+  const uint32_t r = mix32(pair * 0x9E3779B9U + key);
+  return j < kBlock / 2 ? r & 0xFFFFU : r >> 16;
 }
 
 struct Hyper {

@@ -17,11 +17,17 @@
 //   int8: blocks of 256 values share an fp32 absmax; each value is one byte, a small float
 //         relative to it.  exp_avg: sign + E4M3 (bias 15, subnormals), rounded to nearest
 //         even.  exp_avg_sq is stored as its square root, unsigned E4M4 (bias 15,
-//         subnormals), stochastically rounded.  Scaled so the absmax maps to the largest
-//         code (1.875 and 1.9375).
+//         subnormals), stochastically rounded with 16 random bits.  Scaled so the absmax
+//         maps to the largest code (1.875 and 1.9375); encoded from the bits of the scaled
+//         value times 2^-112 (adamw_math.h).
 //
-// Random bits come from a counter-based hash of (key, element index): the same on every
-// thread count and identical to the pure-torch fallback's.
+// Random bits come from a counter-based hash of (key, element index) for bf16, of (key,
+// pair of values j and j + 128 of a block) for int8: the same on every thread count and
+// identical to the pure-torch fallback's.
+//
+// Where the int8 time goes (one thread, Zen 4, ~0.7 ns per value): AdamW itself with its
+// sqrt and division and the decode are about two thirds, the encode and the hash the rest;
+// what keeps it there is the count of vector operations, not memory.
 
 #include <algorithm>
 #include <cmath>
@@ -37,9 +43,12 @@ constexpr int64_t kChunk = 16384;  // elements per parallel work item (fp32 / bf
 // AdamW on one element with sqrt(v) / sqrt(bc2) as a product by 1 / sqrt(bc2) (one
 // division fewer per element; within an ulp of adam_element's denominator).  Only the int8
 // path uses it: its moments are approximate anyway, and it is the path bound by arithmetic.
+// kScaled: whether the gradient is multiplied by grad_scale (a product by 1 changes
+// nothing, so without clipping the multiplication is left out).
+template <bool kScaled>
 inline float adam_element_scaled(const Hyper& h, float inv_bc2, float p, float g, float& m,
                                  float& v, float& s) {
-  g = g * h.grad_scale;
+  if (kScaled) g = g * h.grad_scale;
   p = p * h.decay;
   m = m + h.w1 * (g - m);
   v = v * h.beta2 + (h.c2 * g) * g;
@@ -55,47 +64,109 @@ struct Int8Block {
   float* m_absmax;
   uint8_t* s_codes;
   float* s_absmax;
-  uint32_t first;  // index of the block's first element (the random stream's counter)
+  int64_t index;  // the block's index (the random stream's counter)
 };
 
-// One block of the int8 update: decode, AdamW, the block's new absmaxes, encode.  LEN is
-// kBlock for the full blocks (a compile-time trip count: both loops vectorise without
-// remainder handling) and 0 for a partial last block, whose length is len.
-template <int64_t LEN>
-inline void int8_block(const Hyper& h, const Int8Block& b, int64_t len_arg, uint32_t key) {
-  const int64_t len = LEN ? LEN : len_arg;
-  float m_new[kBlock];
-  float s_new[kBlock];
+// The first half of a block's update: decode, AdamW, the new moments (m and sqrt(v)) into
+// m_new / s_new and their absmaxes.  kFast: a full block (a compile-time trip count: the
+// loop vectorises without remainder handling) whose decode scales take the 2^112 in (both
+// absmaxes under kFoldLimit, so the products are finite); otherwise len values and
+// decode's own two multiplications.  The Hyper is copied so that its fields stay in
+// registers (the stores to p could alias a reference).
+template <bool kFast, bool kScaled>
+inline void int8_update(const Hyper h, const Int8Block& b, int64_t len_arg, float* m_new,
+                        float* s_new, float& m_top, float& s_top) {
+  const int64_t len = kFast ? kBlock : len_arg;
   const float m_scale = *b.m_absmax / kSignedMax;
   const float s_scale = *b.s_absmax / kUnsignedMax;
+  const float m_fold = m_scale * kDecodeShift;
+  const float s_fold = s_scale * kDecodeShift;
   const float inv_bc2 = 1.0f / h.bc2_sqrt;
   float m_max = 0.0f;
   float s_max = 0.0f;
   float* pb = b.p;
   const float* gb = b.g;
-  uint8_t* mb = b.m_codes;
-  uint8_t* sb = b.s_codes;
+  const uint8_t* mb = b.m_codes;
+  const uint8_t* sb = b.s_codes;
 #pragma omp simd reduction(max : m_max, s_max)
   for (int64_t j = 0; j < len; ++j) {
-    float mi = signed_decode(mb[j]) * m_scale;
-    const float so = unsigned_decode(sb[j]) * s_scale;
+    float mi = kFast ? signed_code_bits(mb[j]) * m_fold : signed_decode(mb[j]) * m_scale;
+    const float so =
+        kFast ? unsigned_code_bits(sb[j]) * s_fold : unsigned_decode(sb[j]) * s_scale;
     float vi = so * so, s;
-    pb[j] = adam_element_scaled(h, inv_bc2, pb[j], gb[j], mi, vi, s);
+    pb[j] = adam_element_scaled<kScaled>(h, inv_bc2, pb[j], gb[j], mi, vi, s);
     m_new[j] = mi;
     s_new[j] = s;
     const float am = std::fabs(mi);
     m_max = m_max > am ? m_max : am;
     s_max = s_max > s ? s_max : s;
   }
-  const float m_inv = m_max > 0.0f ? kSignedMax / m_max : 0.0f;
-  const float s_inv = s_max > 0.0f ? kUnsignedMax / s_max : 0.0f;
-  const int count = static_cast<int>(len);  // a 32-bit counter keeps the hash in 32-bit lanes
+  m_top = m_max;
+  s_top = s_max;
+}
+
+// j * 0x9E3779B9 for each pair j of a block: the hash's input for pair j is base + that,
+// a load and an addition per vector instead of a 32-bit multiplication
+struct PairSteps {
+  uint32_t step[kBlock / 2];
+};
+constexpr PairSteps pair_steps() {
+  PairSteps s{};
+  for (int j = 0; j < kBlock / 2; ++j) s.step[j] = static_cast<uint32_t>(j) * 0x9E3779B9U;
+  return s;
+}
+alignas(64) constexpr PairSteps kPairSteps = pair_steps();
+
+// The second half: all 256 codes of the block (a partial block's padding holds zeros, as
+// the Python side's).  Values j and j + 128 share one hash (pair_bits), so the loop runs
+// over the pairs.  kOneStep: both scales are one factor (EncodeScale::second == 1).
+template <bool kOneStep>
+inline void int8_encode(const float* m_new, const float* s_new, EncodeScale m_sc,
+                        EncodeScale s_sc, const Int8Block& b, uint32_t key) {
+  constexpr int kHalf = kBlock / 2;
+  uint8_t* mb = b.m_codes;
+  uint8_t* sb = b.s_codes;
+  const uint32_t base = static_cast<uint32_t>(b.index * kHalf) * 0x9E3779B9U + key;
+  const auto m_code = [&](float x) {
+    return signed_encode_nearest(kOneStep ? x * m_sc.first : x * m_sc.first * m_sc.second);
+  };
+  const auto s_code = [&](float x, uint32_t r) {
+    return unsigned_encode_stochastic(
+        kOneStep ? x * s_sc.first : x * s_sc.first * s_sc.second, r);
+  };
 #pragma omp simd
-  for (int j = 0; j < count; ++j) {
-    mb[j] = signed_encode_nearest(m_new[j] * m_inv);
-    const uint32_t r = mix32((b.first + static_cast<uint32_t>(j)) * 0x9E3779B9U + key);
-    sb[j] = unsigned_encode_stochastic(s_new[j] * s_inv, r);
+  for (int j = 0; j < kHalf; ++j) {
+    const uint32_t r = mix32(base + kPairSteps.step[j]);
+    mb[j] = m_code(m_new[j]);
+    mb[j + kHalf] = m_code(m_new[j + kHalf]);
+    sb[j] = s_code(s_new[j], r);
+    sb[j + kHalf] = s_code(s_new[j + kHalf], r >> 16);
   }
+}
+
+// absmaxes below this fold the decode's 2^112 into their scale (absmax / top * 2^112
+// stays finite)
+constexpr float kFoldLimit = 0x1p15f;
+
+// One block of the int8 update: len values (a full block is kBlock).
+template <bool kScaled>
+inline void int8_block(const Hyper& h, const Int8Block& b, int64_t len, uint32_t key) {
+  alignas(64) float m_new[kBlock];
+  alignas(64) float s_new[kBlock];
+  float m_max, s_max;
+  if (len == kBlock && *b.m_absmax < kFoldLimit && *b.s_absmax < kFoldLimit) {
+    int8_update<true, kScaled>(h, b, len, m_new, s_new, m_max, s_max);
+  } else {
+    int8_update<false, true>(h, b, len, m_new, s_new, m_max, s_max);
+    std::fill(m_new + len, m_new + kBlock, 0.0f);
+    std::fill(s_new + len, s_new + kBlock, 0.0f);
+  }
+  const EncodeScale m_sc = encode_scale(m_max, kSignedMax);
+  const EncodeScale s_sc = encode_scale(s_max, kUnsignedMax);
+  if (m_sc.second == 1.0f && s_sc.second == 1.0f)
+    int8_encode<true>(m_new, s_new, m_sc, s_sc, b, key);
+  else
+    int8_encode<false>(m_new, s_new, m_sc, s_sc, b, key);
   *b.m_absmax = m_max;
   *b.s_absmax = s_max;
 }
@@ -104,7 +175,7 @@ inline void int8_block(const Hyper& h, const Int8Block& b, int64_t len_arg, uint
 
 extern "C" {
 
-int sakura_offload_abi_version() { return 2; }
+int sakura_offload_abi_version() { return 3; }
 
 // Every code's value, for the test that holds this file and _formats.py to one definition.
 void sakura_decode_tables(float* signed_values, float* unsigned_values) {
@@ -164,12 +235,12 @@ void sakura_adamw_int8(float* p, const float* g, uint8_t* m_codes, float* m_absm
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t begin = b * kBlock;
     const int64_t len = std::min(n, begin + kBlock) - begin;
-    Int8Block block{p + begin, g + begin, m_codes + begin, m_absmax + b,
-                    s_codes + begin, s_absmax + b, static_cast<uint32_t>(begin)};
-    if (len == kBlock)
-      int8_block<kBlock>(h, block, len, key);
+    const Int8Block block{p + begin, g + begin, m_codes + begin, m_absmax + b,
+                          s_codes + begin, s_absmax + b, b};
+    if (grad_scale == 1.0f)
+      int8_block<false>(h, block, len, key);
     else
-      int8_block<0>(h, block, len, key);
+      int8_block<true>(h, block, len, key);
   }
 }
 
