@@ -5,9 +5,10 @@ Why measure instead of estimating: the planner used to charge paging its copy by
 probed bandwidth and recomputation a block's forward time.  On a CPU the probe moved by
 10x with the allocator's state, and a recomputed forward costs less than a measured one
 (the memory it frees makes the rest cheaper), so the planner paged to disk where
-recomputing was far cheaper.  A trial runs the real block on the inputs it got in the
-measured forward pass, through the same code the plan runs, so copies, page faults,
-allocator effects and the block's real backward are all in the figure.
+recomputing was far cheaper.  A trial calls the real block (its module hooks run too, e.g.
+``WeightPaging`` bringing its weights in) on the inputs it got in the measured forward
+pass, with the choice under test applied, so copies, page faults, allocator effects and
+the block's real backward are all in the figure.
 
 Trials leave no trace: gradients go through ``torch.autograd.grad`` (no ``.grad`` is
 touched), the RNG state is restored (a block with dropout draws the same numbers in
@@ -32,16 +33,18 @@ __all__ = ["BlockSample", "capture_sample", "time_choices"]
 
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
+Run = Callable[[str, tuple[Any, ...], dict[str, Any]], Any]
+"""``run(choice, args, kwargs)``: call the block with ``choice`` applied."""
+
 clock: Callable[[], float] = time.perf_counter
 """The clock trials are timed with (a test replaces it with one it advances itself)."""
 
 
 @dataclass
 class BlockSample:
-    """What a block got in the measured forward: its forward, inputs and autocast state."""
+    """What a block got in the measured forward: its inputs and autocast state."""
 
     module: nn.Module
-    forward: Callable[..., Any]
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     autocast: tuple[str, bool, torch.dtype]
@@ -52,7 +55,7 @@ def _detached(t: torch.Tensor) -> torch.Tensor:
 
 
 def capture_sample(
-    module: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> BlockSample | None:
     """The block's inputs as new leaves of autograd (the same storages, no copy), or None
     when an argument is an object a forward could change (see the module docstring)."""
@@ -67,7 +70,6 @@ def capture_sample(
     )
     return BlockSample(
         module,
-        forward,
         tree_map_only(torch.Tensor, _detached, args),
         tree_map_only(torch.Tensor, _detached, kwargs),
         autocast,
@@ -88,7 +90,7 @@ def _sync(device_type: str) -> None:
 def _trial(
     sample: BlockSample,
     choice: str,
-    run: Callable[[str, Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any],
+    run: Run,
     targets: list[torch.Tensor],
 ) -> float:
     device_type, enabled, dtype = sample.autocast
@@ -97,7 +99,7 @@ def _trial(
     with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
         args = tree_map_only(torch.Tensor, _non_leaf, sample.args)
         kwargs = tree_map_only(torch.Tensor, _non_leaf, sample.kwargs)
-        out = run(choice, sample.forward, args, kwargs)
+        out = run(choice, args, kwargs)
     outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
     if outs:
         torch.autograd.grad(outs, targets, [torch.ones_like(t) for t in outs], allow_unused=True)
@@ -110,7 +112,7 @@ def _trial(
 def time_choices(
     sample: BlockSample,
     choices: Sequence[str],
-    run: Callable[[str, Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any],
+    run: Run,
     trials: int,
 ) -> dict[str, float] | None:
     """Extra seconds of each choice over ``"keep"`` for one call of the block: the median

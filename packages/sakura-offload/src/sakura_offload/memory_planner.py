@@ -322,6 +322,40 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class _Delegated:
+    """A block's weight that the planner's hooks passed on to the saved-tensor hooks that
+    were active when the block started (``WeightPaging``'s, which save a token for it)."""
+
+    __slots__ = ("packed", "unpack")
+
+    def __init__(self, packed: Any, unpack: Callable[[Any], torch.Tensor]) -> None:
+        self.packed = packed
+        self.unpack = unpack
+
+
+def _weights_of(module: nn.Module | None) -> set[_Key]:
+    """The storages of ``module``'s parameters as they are now: under ``WeightPaging``,
+    inside the block's call, the device copies it installed."""
+    return set() if module is None else {_storage(p)[0] for p in module.parameters()}
+
+
+def _pass_on() -> Callable[[torch.Tensor], Any]:
+    """How to save a weight: through the saved-tensor hooks active now (call it before
+    entering the planner's own), or as it is.  A weight is never an activation."""
+    top: Any = torch._C._autograd._top_saved_tensors_default_hooks(False)  # None: no hooks
+    if top is None:
+        return lambda t: t
+    pack, unpack = top
+    return lambda t: _Delegated(pack(t), unpack)
+
+
+def _restore(packed: Any) -> Any:
+    """The tensor of a :class:`_Delegated`; anything else as it is."""
+    if isinstance(packed, _Delegated):
+        return packed.unpack(packed.packed)
+    return packed
+
+
 @dataclass
 class _Measured:
     """One block's measurements (summed over its calls in one forward)."""
@@ -348,6 +382,8 @@ class _Recorder:
         self.outside: dict[_Key, int] = {}
         self.outside_pre = 0
         self.current: int | None = None
+        self.weights: set[_Key] = set()  # the current block's weights
+        self.pass_on: Callable[[torch.Tensor], Any] = lambda t: t
         self.started = 0
         self.forwards = 0
 
@@ -371,6 +407,8 @@ class _Recorder:
         key, nbytes = _storage(t)
         if key in self.planner._param_keys:
             return t
+        if key in self.weights:
+            return self.pass_on(t)
         pageable = _pageable(t, self.planner.min_bytes)
         where = self.current
         if where is not None and pageable:
@@ -396,6 +434,8 @@ class _Recorder:
     def unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
+        if isinstance(packed, _Delegated):
+            return _restore(packed)  # type: ignore[no-any-return]
         pager = self.planner._measure_pager
         if pager is None:  # pragma: no cover - only pages when a pager exists
             raise RuntimeError("MemoryPlanner: a measuring page without a pager")
@@ -608,7 +648,7 @@ class _PlannedForward:
             return planner._measure_call(self.index, forward, args, kwargs)
         if not planner.track:
             return planner._run_plain(
-                self.choice, forward, args, kwargs, planner._pagers.get(self.choice)
+                self.choice, self.module, forward, args, kwargs, planner._pagers.get(self.choice)
             )
         return planner._tracked_call(self.choice, self.module, forward, args, kwargs)
 
@@ -877,7 +917,10 @@ class MemoryPlanner:
         mode: Any = (
             _CountMaterialised(sink, self._param_keys) if count_now else contextlib.nullcontext()
         )
-        previous, recorder.current = recorder.current, index
+        previous = recorder.current, recorder.weights, recorder.pass_on
+        recorder.current = index
+        recorder.weights = _weights_of(self.wrappers[index].module)
+        recorder.pass_on = _pass_on()
         try:
             _sync(self.device)
             start = time.perf_counter()
@@ -886,14 +929,14 @@ class MemoryPlanner:
             _sync(self.device)
             elapsed = time.perf_counter() - start
         finally:
-            recorder.current = previous
+            recorder.current, recorder.weights, recorder.pass_on = previous
         if count_now:  # the counting mode slows every op: its time is the fallback
             block.recompute_bytes = max(block.recompute_bytes, materialised[0])
             block.counted_seconds.append(elapsed)
         else:
             block.forward_seconds.append(elapsed)
         if self.cost_trials:
-            block.sample = capture_sample(self.wrappers[index].module, forward, args, kwargs)
+            block.sample = capture_sample(self.wrappers[index].module, args, kwargs)
         return out
 
     def _run_sample(self, sample: Any) -> None:
@@ -1055,22 +1098,41 @@ class MemoryPlanner:
             )
             shapes.setdefault(key, []).append(i)
 
-        def run(choice: str, forward: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-            return self._run_plain(choice, forward, args, kwargs, pagers.get(choice))
-
         timed: dict[int, dict[str, float]] = {}
-        for indices in shapes.values():
-            samples = [recorder.blocks[i].sample for i in indices]
-            sample = next((s for s in samples if s is not None), None)
-            costs = time_choices(sample, choices, run, self.cost_trials) if sample else None
-            if costs is not None:
-                for i in indices:
-                    calls = recorder.blocks[i].calls
-                    timed[i] = {c: seconds * calls for c, seconds in costs.items()}
-        for block in recorder.blocks:
-            block.sample = None  # the inputs' storages are not held beyond this
+        # untracked: the trials' backward goes through autograd.grad, and tracking's
+        # gradient hooks on parameters cannot run there (nor should trials count)
+        saved = self._pagers, self.track
+        self._pagers, self.track = pagers, False
+        try:
+            for indices in shapes.values():
+                found = [(i, recorder.blocks[i].sample) for i in indices]
+                index, sample = next(((i, s) for i, s in found if s is not None), (-1, None))
+                if sample is None:
+                    continue
+                costs = time_choices(sample, choices, self._trial_call(index), self.cost_trials)
+                if costs is not None:
+                    for i in indices:
+                        calls = recorder.blocks[i].calls
+                        timed[i] = {c: seconds * calls for c, seconds in costs.items()}
+        finally:
+            self._pagers, self.track = saved
+            for block in recorder.blocks:
+                block.sample = None  # the inputs' storages are not held beyond this
         self._timed = (recorder.forwards, timed)
         return timed
+
+    def _trial_call(self, index: int) -> Callable[[str, Any, Any], Any]:
+        """Calls block ``index`` (module hooks and all) with a choice applied to it."""
+        wrapper = self.wrappers[index]
+
+        def run(choice: str, args: Any, kwargs: Any) -> Any:
+            previous, wrapper.choice = wrapper.choice, choice
+            try:
+                return wrapper.module(*args, **kwargs)
+            finally:
+                wrapper.choice = previous
+
+        return run
 
     def _tier_bandwidth(
         self,
@@ -1294,14 +1356,21 @@ class MemoryPlanner:
     def reset_peak(self) -> None:
         self._meter.peak = self._meter.live
 
-    def _keep_pack(self, call: _Call | None) -> Callable[[torch.Tensor], Any]:
+    def _keep_pack(
+        self, call: _Call | None, module: nn.Module | None = None
+    ) -> Callable[[torch.Tensor], Any]:
+        """Keeps (and counts) what a block or the root saves; a weight is passed on."""
         meter = self._meter
         params = self._param_keys
+        weights = _weights_of(module)
+        pass_on = _pass_on()
 
         def pack(t: torch.Tensor) -> Any:
             key, nbytes = _storage(t)
             if key in params:
                 return t
+            if key in weights:
+                return pass_on(t)
             held = _Held(t)
             meter.hold(key, nbytes)
             weakref.finalize(held, meter.drop, key)
@@ -1309,13 +1378,20 @@ class MemoryPlanner:
 
         return pack
 
-    def _page_pack(self, pager: _Pager, call: _Call | None) -> Callable[[torch.Tensor], Any]:
+    def _page_pack(
+        self, pager: _Pager, call: _Call | None, module: nn.Module | None = None
+    ) -> Callable[[torch.Tensor], Any]:
+        """Pages what a block saves; small or shared tensors are kept, weights passed on."""
         params = self._param_keys
+        weights = _weights_of(module)
+        pass_on = _pass_on()
         min_bytes = self.min_bytes
-        keep = self._keep_pack(call) if call is not None else None
+        keep = self._keep_pack(call, module) if call is not None else None
 
         def pack(t: torch.Tensor) -> Any:
             key, _ = _storage(t)
+            if key in weights and key not in params:
+                return pass_on(t)
             if key in params or not _pageable(t, min_bytes):
                 return keep(t) if keep is not None else t
             page = pager.pack(t)
@@ -1331,6 +1407,8 @@ class MemoryPlanner:
                 return packed
             if isinstance(packed, _Held):
                 return packed.tensor
+            if isinstance(packed, _Delegated):
+                return _restore(packed)  # type: ignore[no-any-return]
             if isinstance(packed, _PagedRef):
                 packed.call.add(packed.nbytes)
                 return pager.unpack(packed.page)
@@ -1341,6 +1419,7 @@ class MemoryPlanner:
     def _run_plain(
         self,
         choice: str,
+        module: nn.Module,
         forward: Callable[..., Any],
         args: Any,
         kwargs: Any,
@@ -1354,7 +1433,7 @@ class MemoryPlanner:
         if pager is None:  # pragma: no cover - _apply builds one per paging choice
             raise RuntimeError(f"MemoryPlanner: no pager for {choice}")
         with torch.autograd.graph.saved_tensors_hooks(
-            self._page_pack(pager, None), self._page_unpack(pager)
+            self._page_pack(pager, None, module), self._page_unpack(pager)
         ):
             return forward(*args, **kwargs)
 
@@ -1377,12 +1456,14 @@ class MemoryPlanner:
 
             out = checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
         elif choice == "keep":
-            with torch.autograd.graph.saved_tensors_hooks(self._keep_pack(call), _unpack_held):
+            with torch.autograd.graph.saved_tensors_hooks(
+                self._keep_pack(call, module), _unpack_held
+            ):
                 out = forward(*args, **kwargs)
         else:
             pager = self._pagers[choice]
             with torch.autograd.graph.saved_tensors_hooks(
-                self._page_pack(pager, call), self._page_unpack(pager)
+                self._page_pack(pager, call, module), self._page_unpack(pager)
             ):
                 out = forward(*args, **kwargs)
         if watch:
@@ -1393,7 +1474,7 @@ class MemoryPlanner:
 def _unpack_held(packed: Any) -> torch.Tensor:
     if isinstance(packed, _Held):
         return packed.tensor
-    return packed  # type: ignore[no-any-return]
+    return _restore(packed)  # type: ignore[no-any-return]
 
 
 def plan_memory(model: nn.Module, sample: Any, budget: Any = None, **options: Any) -> MemoryPlan:
