@@ -208,3 +208,56 @@ def test_the_option_is_validated() -> None:
     with pytest.raises(OptionError, match="cost_trials='3'"):
         MemoryPlanner(1, cost_trials="3")  # type: ignore[arg-type]
     assert MemoryPlanService(1, cost_trials=0).planner.cost_trials == 0
+
+
+class InPlaceBlock(Block):
+    """Doubles its input in place before using it (its input is the previous block's
+    output, which training may still hold)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.mul_(2.0)
+        return super().forward(x) * 0.5
+
+
+class InPlaceStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, WIDTH)
+        self.layers = nn.ModuleList(InPlaceBlock(None) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h)
+        return h.square().mean()
+
+
+def test_trials_in_the_service_change_nothing_the_training_holds() -> None:
+    """The memory_plan service times the choices at the end of a training forward, while
+    that step's graph is alive: a block that changes its input in place changes a copy,
+    and a choice it cannot run under (recomputation) is ruled out, not raised."""
+    from sakura import SakuraRuntime
+
+    torch.manual_seed(0)
+    plain = InPlaceStack()
+    planned = InPlaceStack()
+    planned.load_state_dict(plain.state_dict())
+    with SakuraRuntime() as rt:
+        service = rt.install(
+            MemoryPlanService("1GB", blocks=InPlaceBlock, min_bytes=0, cost_trials=2, report=False)
+        )
+        planned, _ = rt.prepare(planned, None)
+        optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, planned)]
+        for step in range(4):
+            x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
+            for model, optimizer in zip((plain, planned), optimizers, strict=True):
+                optimizer.zero_grad()
+                rt.backward(model(x))
+                optimizer.step()
+        plan = service.plan
+    assert plan is not None and all(d.costs_measured for d in plan.decisions)
+    # checkpointing cannot recompute a block that changes its input in place: never chosen
+    assert all(dict(d.costs)["recompute"] == float("inf") for d in plan.decisions)
+    assert all(dict(d.costs)["page_host"] < float("inf") for d in plan.decisions)
+    for a, b in zip(plain.parameters(), planned.parameters(), strict=True):
+        assert torch.equal(a, b)

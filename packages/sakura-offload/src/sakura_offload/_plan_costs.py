@@ -19,6 +19,8 @@ object, which every forward would append to) is not run: its costs stay estimate
 
 from __future__ import annotations
 
+import logging
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -35,6 +37,8 @@ _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 Run = Callable[[str, tuple[Any, ...], dict[str, Any]], Any]
 """``run(choice, args, kwargs)``: call the block with ``choice`` applied."""
+
+_LOG = logging.getLogger("sakura_offload.planner")
 
 clock: Callable[[], float] = time.perf_counter
 """The clock trials are timed with (a test replaces it with one it advances itself)."""
@@ -76,10 +80,11 @@ def capture_sample(
     )
 
 
-def _non_leaf(t: torch.Tensor) -> torch.Tensor:
-    # A block's input that requires grad is the output of an earlier op, never a leaf, and
-    # paging moves it; a leaf requiring grad it would leave alone.
-    return t.view_as(t) if t.requires_grad else t
+def _fresh(t: torch.Tensor) -> torch.Tensor:
+    # A copy per trial: a block that changes an input in place changes the copy, never the
+    # storage it shares with the training's own tensors; and an input that requires grad
+    # becomes the output of an op, as in training (paging leaves a leaf alone).
+    return t.clone()
 
 
 def _sync(device_type: str) -> None:
@@ -97,8 +102,8 @@ def _trial(
     _sync(device_type)
     start = clock()
     with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
-        args = tree_map_only(torch.Tensor, _non_leaf, sample.args)
-        kwargs = tree_map_only(torch.Tensor, _non_leaf, sample.kwargs)
+        args = tree_map_only(torch.Tensor, _fresh, sample.args)
+        kwargs = tree_map_only(torch.Tensor, _fresh, sample.kwargs)
         out = run(choice, args, kwargs)
     outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
     if outs:
@@ -117,8 +122,10 @@ def time_choices(
 ) -> dict[str, float] | None:
     """Extra seconds of each choice over ``"keep"`` for one call of the block: the median
     over ``trials`` rounds (after one unmeasured round) of each round's difference, the
-    choices in a rotated order each round; at least 0.  None when the block has nothing to
-    differentiate or runs out of device memory keeping its activations."""
+    choices in a rotated order each round; at least 0.  A choice the block cannot run
+    under (a block that changes its input in place cannot be recomputed) costs ``inf``
+    and is not tried again.  None when the block has nothing to differentiate, runs out
+    of device memory, or fails even when kept."""
     targets = [
         t for t in tree_leaves((sample.args, sample.kwargs))
         if isinstance(t, torch.Tensor) and t.requires_grad
@@ -129,17 +136,34 @@ def time_choices(
     buffers = {name: b.detach().clone() for name, b in sample.module.named_buffers()}
     devices = [t.device for t in targets if t.device.type == "cuda"]
     differences: dict[str, list[float]] = {c: [] for c in order[1:]}
+    failed: dict[str, str] = {}
     try:
         with torch.random.fork_rng(devices=sorted({d.index or 0 for d in devices})):
             for round_ in range(trials + 1):
                 shift = round_ % len(order)
-                times = {c: _trial(sample, c, run, targets) for c in order[shift:] + order[:shift]}
+                times: dict[str, float] = {}
+                for c in order[shift:] + order[:shift]:
+                    if c in failed:
+                        continue
+                    try:
+                        times[c] = _trial(sample, c, run, targets)
+                    except torch.OutOfMemoryError:
+                        raise
+                    except Exception as exc:  # the block cannot run this way
+                        if c == "keep":
+                            raise
+                        failed[c] = f"{type(exc).__name__}: {exc}"
+                        _LOG.info("cost trial of %s failed (%s); not chosen", c, failed[c])
                 if round_ > 0:
                     for c in order[1:]:
-                        differences[c].append(times[c] - times["keep"])
+                        if c not in failed:
+                            differences[c].append(times[c] - times["keep"])
     except torch.OutOfMemoryError:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        return None
+    except Exception as exc:  # even keeping fails here: leave the costs estimated
+        _LOG.warning("cost trials skipped: the block failed when kept (%s)", exc)
         return None
     finally:
         with torch.no_grad():
@@ -147,5 +171,6 @@ def time_choices(
                 if name in buffers:
                     b.copy_(buffers[name])
     costs = {"keep": 0.0}
-    costs.update({c: max(0.0, statistics.median(d)) for c, d in differences.items()})
+    costs.update({c: max(0.0, statistics.median(d)) for c, d in differences.items() if d})
+    costs.update({c: math.inf for c in failed})
     return costs

@@ -1220,8 +1220,8 @@ class MemoryPlanner:
                 best: tuple[float, int, int, str] | None = None
                 for i in range(n):
                     for choice in allowed:
-                        if choice == plan[i]:
-                            continue
+                        if choice == plan[i] or math.isinf(cost(i, choice)):
+                            continue  # an infinite cost: the block cannot run that way
                         trial = [*plan[:i], choice, *plan[i + 1 :]]
                         if not fits(trial):
                             continue
@@ -1241,7 +1241,9 @@ class MemoryPlanner:
 
         keep_peak = peak(["keep"] * n)
         lowest = descend(0)
-        least = min(peak(lowest), peak(["recompute"] * n))
+        recompute_all = ["recompute"] * n
+        can_recompute_all = all(math.isfinite(cost(i, "recompute")) for i in range(n))
+        least = min(peak(lowest), peak(recompute_all) if can_recompute_all else peak(lowest))
         budget = self.budget if self.budget is not None else self._auto_budget
         if given is not None:
             plan = given
@@ -1250,11 +1252,11 @@ class MemoryPlanner:
             if budget is None:  # pragma: no cover - attach() requires or computes one
                 raise RuntimeError("MemoryPlanner: no budget")
             if least > budget:
-                everything = peak(["recompute"] * n)
+                everything = _mb(peak(recompute_all)) if can_recompute_all else "not possible here"
                 raise MemoryBudgetError(
                     f"MemoryPlanner: the saved activations cannot fit budget={budget} bytes "
                     f"({_mb(budget)}): the least reachable peak is {least} bytes ({_mb(least)}; "
-                    f"every block recomputed: {_mb(everything)}, everything kept: "
+                    f"every block recomputed: {everything}, everything kept: "
                     f"{_mb(keep_peak)}, outside the blocks: {_mb(outside)}); raise the budget "
                     f"to at least {least} or make the batch smaller",
                     budget=budget,
@@ -1262,7 +1264,7 @@ class MemoryPlanner:
                 )
             plan = descend(budget)
             if peak(plan) > budget:  # the greedy path got stuck; start from the lowest plan
-                plan = list(lowest) if peak(lowest) <= budget else ["recompute"] * n
+                plan = list(lowest) if peak(lowest) <= budget else recompute_all
             improved = True
             while improved:  # take back the dearest extra time the budget allows
                 improved = False
