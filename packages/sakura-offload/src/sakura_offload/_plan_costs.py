@@ -10,11 +10,13 @@ recomputing was far cheaper.  A trial calls the real block (its module hooks run
 pass, with the choice under test applied, so copies, page faults, allocator effects and
 the block's real backward are all in the figure.
 
-Trials leave no trace: gradients go through ``torch.autograd.grad`` (no ``.grad`` is
-touched), the RNG state is restored (a block with dropout draws the same numbers in
-training as without the planner) and so are the block's buffers (BatchNorm statistics).
-A block whose arguments hold objects other than tensors and plain values (a KV cache
-object, which every forward would append to) is not run: its costs stay estimated.
+Trials leave no trace: they run on copies of the inputs (an in-place change of an input
+never reaches the training's tensors), gradients go through ``torch.autograd.grad`` (no
+``.grad`` is touched), the RNG state is restored (a block with dropout draws the same
+numbers in training as without the planner) and so are the block's buffers (BatchNorm
+statistics).  A block whose arguments hold objects other than tensors and plain values (a
+KV cache object, which every forward would append to) is not run: its costs stay
+estimated.  A choice the block fails under costs ``inf``, so it is never chosen.
 """
 
 from __future__ import annotations
