@@ -1146,9 +1146,10 @@ class MemoryPlanner:
         given = self.host_bandwidth if tier == "host" else self.disk_bandwidth
         if given is not None or any(choice not in timed.get(i, {}) for i in range(len(measured))):
             return self._bandwidth(tier)
-        copied = sum(d.copy_bytes for d in measured)
-        seconds = sum(timed[i][choice] for i in range(len(measured)))
-        return copied / max(seconds, 1e-9)
+        finite = [i for i in range(len(measured)) if math.isfinite(timed[i][choice])]
+        copied = sum(measured[i].copy_bytes for i in finite)
+        seconds = sum(timed[i][choice] for i in finite)
+        return copied / max(seconds, 1e-9) if finite else 0.0
 
     def _order(self) -> list[int]:
         recorder = self._recorder
