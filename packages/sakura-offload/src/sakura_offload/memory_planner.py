@@ -807,11 +807,27 @@ class MemoryPlanner:
         self._recorder = _Recorder(self, self.names)
         if self.device.type != "cpu":
             self._measure_pager = _Pager("host", self.device, self._activation_paging("host"))
-        self._hooks = [
-            model.register_forward_pre_hook(self._root_pre),
-            model.register_forward_hook(self._root_post, always_call=True),
-        ]
+        self._register_root_hooks()
         return self
+
+    def _register_root_hooks(self) -> None:
+        """Hooks on the model and on every module between it and the blocks: the
+        outermost of them that runs marks a forward pass and counts what is saved outside
+        the blocks.  (A LightningModule's own forward often never runs: its
+        ``training_step`` calls the network inside it.)"""
+        model = self.model
+        if model is None:
+            return
+        containers: dict[int, nn.Module] = {id(model): model}
+        for name in self.names:
+            parts = name.split(".")
+            for depth in range(1, len(parts)):
+                module = model.get_submodule(".".join(parts[:depth]))
+                containers.setdefault(id(module), module)
+        self._hooks = []
+        for module in containers.values():
+            self._hooks.append(module.register_forward_pre_hook(self._root_pre))
+            self._hooks.append(module.register_forward_hook(self._root_post, always_call=True))
 
     def remove(self) -> None:
         """Restore the blocks' forwards and remove the planner's hooks."""
@@ -1338,10 +1354,7 @@ class MemoryPlanner:
                 handle.remove()
             self._hooks = []
         elif not self._hooks and self.model is not None:  # tracking turned on after planning
-            self._hooks = [
-                self.model.register_forward_pre_hook(self._root_pre),
-                self.model.register_forward_hook(self._root_post, always_call=True),
-            ]
+            self._register_root_hooks()
         _LOG.info("%s", plan.table())
 
     # --- running under a plan ----------------------------------------------------------
