@@ -62,3 +62,24 @@ def drift(candidate: torch.nn.Module, reference: torch.nn.Module) -> float:
         for x, y in zip(start.parameters(), reference.parameters(), strict=True)
     )
     return float((num / den) ** 0.5)
+
+
+def tiny_llama() -> torch.nn.Module:
+    """A config-built 4-layer Llama (vocab 96, hidden 32) in train mode, seed 0; needs
+    transformers (the caller skips without it)."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    model.train()
+    return model

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from _offload_models import tiny_llama as llama
 
 from sakura import SakuraRuntime
 from sakura.options import OptionError
@@ -24,23 +25,6 @@ from sakura_offload.memory_planner import (
 transformers = pytest.importorskip("transformers")
 
 LAYERS = [f"model.layers.{i}" for i in range(4)]
-
-
-def llama() -> torch.nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        use_cache=False,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    model.train()
-    return model
 
 
 def tokens(seed: int = 1) -> torch.Tensor:

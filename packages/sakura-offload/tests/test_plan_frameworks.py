@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from _offload_models import tiny_llama as llama
 
 from sakura import SakuraRuntime
 from sakura_offload.memory_planner import MemoryPlanner, MemoryPlanService
@@ -18,21 +19,6 @@ transformers = pytest.importorskip("transformers")
 
 STEPS = 5
 BATCH = 2
-
-
-def llama() -> torch.nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        use_cache=False,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)
 
 
 def rows() -> list[dict[str, torch.Tensor]]:
