@@ -1029,9 +1029,10 @@ class MemoryPlanner:
         ``sample``: a callable run as ``sample()`` (it calls the model, and may compute the
         loss: that counts as outside the blocks), or a batch given to the model as
         ``model(**batch)`` (a mapping), ``model(*batch)`` (a tuple or list) or
-        ``model(batch)``.  Only forward passes run (``trials`` of them: the first counts
+        ``model(batch)``.  The model runs forward only (``trials`` times: the first counts
         what recomputation materialises, the others time the blocks; the smallest time
-        counts); gradients are not touched.
+        counts); then one block of each shape runs forward and backward per choice
+        (``cost_trials``).  No ``.grad`` is touched.
         """
         trials = check_int("trials", trials, minimum=1, owner=_OWNER)
         self.attach(model)
