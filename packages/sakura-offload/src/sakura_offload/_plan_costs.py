@@ -65,9 +65,10 @@ def capture_sample(
 ) -> BlockSample | None:
     """The block's inputs as new leaves of autograd (the same storages, no copy), or None
     when an argument is an object a forward could change (see the module docstring)."""
-    if not all(isinstance(x, (torch.Tensor, *_PLAIN)) for x in tree_leaves((args, kwargs))):
+    everything = tree_leaves((args, kwargs))
+    if not all(isinstance(x, (torch.Tensor, *_PLAIN)) for x in everything):
         return None
-    leaves = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    leaves = [x for x in everything if isinstance(x, torch.Tensor)]
     device_type = leaves[0].device.type if leaves else "cpu"
     autocast = (
         device_type,

@@ -1079,10 +1079,11 @@ class MemoryPlanner:
             )
         return out
 
-    def _cached_costs(self) -> dict[int, dict[str, float]]:
+    def _cached_costs(self) -> dict[int, dict[str, float]] | None:
+        """The costs timed on the current measurement, or None when not timed yet."""
         recorder = self._recorder
         if self._timed is None or recorder is None or self._timed[0] != recorder.forwards:
-            return {}
+            return None
         return self._timed[1]
 
     def _timed_costs(
@@ -1095,8 +1096,9 @@ class MemoryPlanner:
         recorder = self._recorder
         if recorder is None or self.cost_trials == 0:
             return {}
-        if self._timed is not None and self._timed[0] == recorder.forwards:
-            return self._timed[1]
+        cached = self._cached_costs()
+        if cached is not None:
+            return cached
         given = {"page_host": self.host_bandwidth, "page_disk": self.disk_bandwidth}
         choices = [c for c in allowed if given.get(c) is None]
         pagers = {c: self._pager(c) for c in choices if c in given}
@@ -1187,7 +1189,9 @@ class MemoryPlanner:
         given = self._given_choices(choices) if choices is not None else None
         use_disk = self.disk or (given is not None and "page_disk" in given)
         allowed = ["keep", "page_host", "recompute"] + (["page_disk"] if use_disk else [])
-        timed = self._timed_costs(measured, allowed) if given is None else self._cached_costs()
+        timed = (
+            self._timed_costs(measured, allowed) if given is None else (self._cached_costs() or {})
+        )
         host_bw = self._tier_bandwidth("page_host", measured, timed)
         disk_bw = self._tier_bandwidth("page_disk", measured, timed) if use_disk else 0.0
         host_cap = self.host_budget if self.host_budget is not None else default_host_budget()
