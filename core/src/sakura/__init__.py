@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from sakura import _removed
 from sakura.errors import (
     ConfigError,
     InvalidServiceError,
@@ -23,6 +24,9 @@ from sakura.step import STEP_SKIPPED, StepSkipped
 from sakura.telemetry import Telemetry
 
 __version__ = "0.1.0"
+
+# `import sakura.lightning` (a v0.1.x module) names its replacement instead of failing bare.
+_removed.install()
 
 __all__ = [
     "SakuraRuntime",
