@@ -71,6 +71,28 @@ def test_codes_round_trip_and_pad_with_zeros() -> None:
             assert torch.equal(decode(codes, got, 250), values)
 
 
+def test_non_finite_values_stay_out_of_the_absmax() -> None:
+    # An Inf or NaN taken into a block's absmax made all 256 values decode non-finite.
+    g = torch.Generator().manual_seed(5)
+    values = torch.randn(600, generator=g)
+    bad = values.clone()
+    bad[[3, 7, 300]] = torch.tensor([float("inf"), float("nan"), float("-inf")])
+    keep = torch.ones(600, dtype=torch.bool)
+    keep[[3, 7, 300]] = False
+    clean = torch.where(keep, values, torch.zeros(()))
+    codes, absmax = fmt.quantize_blocks(bad, signed=True)
+    ref_codes, ref_absmax = fmt.quantize_blocks(clean, signed=True)
+    assert torch.equal(absmax, ref_absmax) and torch.equal(codes, ref_codes)  # stored as 0
+    bits = fmt.pair_bits(9, fmt.blocks_for(600))
+    s_codes, s_absmax = fmt.quantize_blocks(bad.abs(), signed=False, bits=bits)
+    ref_s_codes, ref_s_absmax = fmt.quantize_blocks(clean.abs(), signed=False, bits=bits)
+    assert torch.equal(s_absmax, ref_s_absmax)
+    decoded = fmt.decode_unsigned(s_codes, s_absmax, 600)
+    assert decoded.isfinite().all()
+    assert torch.equal(s_codes[:600][keep], ref_s_codes[:600][keep])
+    assert (decoded[[3, 7]] == s_absmax[0]).all() and decoded[300] == s_absmax[1]  # saturated
+
+
 def test_unsigned_stochastic_rounding_is_unbiased() -> None:
     value = torch.full((200_192,), 0.3 * fmt.UNSIGNED_MAX)  # between two codes
     bits = fmt.pair_bits(12345, fmt.blocks_for(value.numel()))

@@ -12,7 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from _offload_models import max_diff, train
+from _offload_models import (
+    NON_FINITE_TOLERANCE,
+    assert_non_finite_stays_local,
+    max_diff,
+    train,
+)
 
 from sakura.native_cuda import find_nvcc
 from sakura_offload import OffloadAdamW, _kernel
@@ -50,7 +55,7 @@ def test_compiles_with_the_exports_and_abi(built: tuple[Path, ctypes.CDLL]) -> N
         ["nm", "-D", "--defined-only", str(path)], capture_output=True, text=True, check=True
     ).stdout
     assert {line.split()[-1] for line in listed.splitlines() if line.strip()} >= EXPORTS
-    assert lib.sakura_offload_cuda_abi_version() == _kernel.CUDA_LIBRARY.abi_version == 2
+    assert lib.sakura_offload_cuda_abi_version() == _kernel.CUDA_LIBRARY.abi_version == 3
 
 
 def test_the_kernel_arithmetic_matches_torch_adamw(built: tuple[Path, ctypes.CDLL]) -> None:
@@ -90,6 +95,17 @@ def test_the_kernel_arithmetic_agrees_with_the_cpp_kernel(
             assert (value == s_emu[key]).float().mean().item() > 0.99, key
         else:
             torch.testing.assert_close(value, s_emu[key], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bf16", "int8"])
+def test_the_kernel_keeps_non_finite_gradients_local(
+    built: tuple[Path, ctypes.CDLL], dtype: str
+) -> None:
+    assert_non_finite_stays_local(
+        lambda p: emulate(OffloadAdamW(p, **HYPER, moment_dtype=dtype, backend="torch"), built[1]),
+        HYPER,
+        NON_FINITE_TOLERANCE[dtype],
+    )
 
 
 @pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])

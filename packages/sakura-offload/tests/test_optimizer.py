@@ -7,7 +7,16 @@ from typing import Any
 
 import pytest
 import torch
-from _offload_models import batches, drift, loss_of, max_diff, mlp, train
+from _offload_models import (
+    NON_FINITE_TOLERANCE,
+    assert_non_finite_stays_local,
+    batches,
+    drift,
+    loss_of,
+    max_diff,
+    mlp,
+    train,
+)
 
 from sakura.options import OptionError
 from sakura_offload import OffloadAdamW
@@ -80,6 +89,18 @@ def test_kernel_and_torch_paths_agree(dtype: str, extreme: bool) -> None:
             assert (value == s_torch[key]).float().mean().item() > 0.999
         else:
             torch.testing.assert_close(value.float(), s_torch[key].float(), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bf16", "int8"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_finite_gradients_stay_as_local_as_torch_adamw(backend: str, dtype: str) -> None:
+    # int8 moments used to take an Inf (or, in torch, a NaN) into the block's absmax: the
+    # 255 other parameters of the block turned NaN for good.
+    assert_non_finite_stays_local(
+        lambda p: OffloadAdamW(p, **HYPER, moment_dtype=dtype, backend=backend),
+        HYPER,
+        NON_FINITE_TOLERANCE[dtype],
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -9,6 +9,9 @@ state_dict conversion and the C++ kernel's decode tables all use.
   rounded to nearest even.  ``exp_avg_sq`` is stored as its square root (halving its
   dynamic range in log space) as unsigned E4M4 (bias 15, subnormals), stochastically
   rounded with 16 random bits.  The absmax maps to the largest code (1.875, 1.9375).
+  The absmax is that of the block's finite values: a non-finite ``exp_avg`` is stored as
+  0, a non-finite square root as the largest code, so an Inf or NaN gradient element
+  spoils its own parameter (as in torch's AdamW) and not the other 255 of its block.
   Encoding multiplies each value by the block's scale and by 2**-112 (one factor,
   :func:`encode_scale`), which puts a code's exponent and mantissa in their float32 bit
   positions, float32's denormals holding the subnormal codes; integer operations on the
@@ -185,14 +188,22 @@ def quantize_blocks(
     """(padded uint8 codes, absmax per block) of a flat float32 tensor: signed values
     rounded to nearest; non-negative ones (``signed=False``; -0.0 counts as 0)
     stochastically with ``bits`` (16 random bits per padded element, :func:`pair_bits`;
-    required then)."""
+    required then).
+
+    Non-finite values stay local: the absmax is that of the finite values, a non-finite
+    signed value is stored as 0 and a non-finite unsigned one as the largest code (an Inf
+    or NaN in the absmax would make every value of its block non-finite)."""
     numel = values.numel()
     padded = torch.zeros(blocks_for(numel) * BLOCK, dtype=torch.float32)
     padded[:numel] = values.reshape(-1)
-    if not signed:
-        padded = padded.clamp_(min=0.0).abs_()  # the code takes the sign bit as it is
-    grid = padded.view(-1, BLOCK)
-    absmax = grid.abs().amax(dim=1) if signed else grid.amax(dim=1)
+    finite = padded.isfinite().view(-1, BLOCK)
+    if signed:
+        grid = padded.view(-1, BLOCK).masked_fill_(~finite, 0.0)
+        absmax = grid.abs().amax(dim=1)
+    else:
+        # the code takes the sign bit as it is
+        grid = padded.clamp_(min=0.0).abs_().view(-1, BLOCK)
+        absmax = grid.masked_fill(~finite, 0.0).amax(dim=1)
     first, second = encode_scale(absmax, SIGNED_MAX if signed else UNSIGNED_MAX)
     y = ((grid * first.view(-1, 1)) * second.view(-1, 1)).reshape(-1)
     if signed:

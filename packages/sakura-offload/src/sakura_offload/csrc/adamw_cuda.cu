@@ -60,8 +60,8 @@ __host__ __device__ inline void int8_update(const Hyper& h, float* p, const floa
   const float so = unsigned_decode(s_codes[i]) * s_scale;
   float vi = so * so, s;
   p[i] = adam_element(h, p[i], g[i], mi, vi, s);
-  m_new = mi;
-  s_new = s;
+  m_new = finite_or_zero(mi);  // an Inf / NaN moment stays local (adamw_math.h)
+  s_new = s;                   // a non-finite one saturates at the largest code
 }
 
 // Value j of block b, index i: its two codes from the new m and sqrt(v) (zeros past the
@@ -106,7 +106,7 @@ __global__ void int8_kernel(Hyper h, float* p, const float* g, uint8_t* m_codes,
   float m_new = 0.0f, s_new = 0.0f;
   if (live) int8_update(h, p, g, m_codes, s_codes, m_scale, s_scale, i, m_new, s_new);
   m_max[j] = fabsf(m_new);
-  s_max[j] = s_new;
+  s_max[j] = finite_or_zero(s_new);
   __syncthreads();  // also orders every read of m_absmax[b] before its write below
   for (int width = kBlock / 2; width > 0; width /= 2) {
     if (j < width) {
@@ -134,7 +134,7 @@ unsigned grid_for(int64_t n) {
 
 extern "C" {
 
-int sakura_offload_cuda_abi_version(void) { return 2; }
+int sakura_offload_cuda_abi_version(void) { return 3; }
 
 // cudaSuccess (0) when a device can be used by this library's runtime.
 int sakura_offload_cuda_probe(void) {
@@ -223,8 +223,9 @@ void sakura_adamw_int8_emulate(float* p, const float* g, uint8_t* m_codes, float
       if (j < len)
         int8_update(h, p, g, m_codes, s_codes, m_scale, s_scale, begin + j, m_new[j], s_new[j]);
       const float am = fabsf(m_new[j]);
+      const float sf = finite_or_zero(s_new[j]);
       m_top = m_top > am ? m_top : am;
-      s_top = s_top > s_new[j] ? s_top : s_new[j];
+      s_top = s_top > sf ? s_top : sf;
     }
     const EncodeScale m_sc = encode_scale(m_top, kSignedMax);
     const EncodeScale s_sc = encode_scale(s_top, kUnsignedMax);

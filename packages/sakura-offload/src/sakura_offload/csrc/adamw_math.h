@@ -4,6 +4,7 @@
 // See host_adamw.cpp for the update and the formats.
 #pragma once
 
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -117,6 +118,19 @@ SAKURA_HD inline uint8_t unsigned_encode_stochastic(float y, uint32_t r16) {
   const uint32_t mag = (to_bits(y) + (((r16 << 3) & 0x7FFF8U) | 4U)) >> 19;
   return static_cast<uint8_t>(mag < 255U ? mag : 255U);
 }
+
+// Non-finite moments stay local.  An Inf or NaN gradient element makes its own new m and
+// sqrt(v) non-finite (and its parameter NaN, as in torch.optim.AdamW); taken into the
+// block's absmax it would make the absmax, and through the decode every value of the
+// block, non-finite for good.  So the block max leaves non-finite values out, a non-finite
+// m is stored as 0 and a non-finite sqrt(v) saturates at the largest code (the block's
+// absmax); the other 255 values keep their exact update.  The CUDA kernel applies these
+// per value (one select); the host kernel's vectorised loop only takes an integer max of
+// the bits (no extra work: it replaces the float max) and applies them to a block whose
+// max shows an Inf or NaN, after the loop.
+SAKURA_HD inline bool is_finite(float x) { return fabsf(x) <= FLT_MAX; }  // false for NaN
+
+SAKURA_HD inline float finite_or_zero(float x) { return is_finite(x) ? x : 0.0f; }
 
 // The 16 random bits of value j (0..255) of int8 block b: one hash per pair (j, j + 128),
 // its low half for the first, its high half for the second.

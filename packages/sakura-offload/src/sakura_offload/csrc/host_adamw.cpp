@@ -19,7 +19,9 @@
 //         even.  exp_avg_sq is stored as its square root, unsigned E4M4 (bias 15,
 //         subnormals), stochastically rounded with 16 random bits.  Scaled so the absmax
 //         maps to the largest code (1.875 and 1.9375); encoded from the bits of the scaled
-//         value times 2^-112 (adamw_math.h).
+//         value times 2^-112 (adamw_math.h).  Non-finite values are left out of the
+//         absmax (a non-finite m is stored as 0, a non-finite sqrt(v) as the largest
+//         code), so an Inf or NaN gradient element costs that element only, as in torch.
 //
 // Random bits come from a counter-based hash of (key, element index) for bf16, of (key,
 // pair of values j and j + 128 of a block) for int8: the same on every thread count and
@@ -68,22 +70,24 @@ struct Int8Block {
 };
 
 // The first half of a block's update: decode, AdamW, the new moments (m and sqrt(v)) into
-// m_new / s_new and their absmaxes.  kFast: a full block (a compile-time trip count: the
-// loop vectorises without remainder handling) whose decode scales take the 2^112 in (both
-// absmaxes under kFoldLimit, so the products are finite); otherwise len values and
-// decode's own two multiplications.  The Hyper is copied so that its fields stay in
+// m_new / s_new and the bits of their largest magnitudes (an integer max of the bits of
+// |x|: for finite values the order of the floats, and any Inf or NaN lands above
+// kFiniteBits, which a float max would not reliably tell).  kFast: a full block (a
+// compile-time trip count: the loop vectorises without remainder handling) whose decode
+// scales take the 2^112 in (both absmaxes under kFoldLimit, so the products are finite);
+// otherwise len values and decode's own two multiplications.  The Hyper is copied so that its fields stay in
 // registers (the stores to p could alias a reference).
 template <bool kFast, bool kScaled>
 inline void int8_update(const Hyper h, const Int8Block& b, int64_t len_arg, float* m_new,
-                        float* s_new, float& m_top, float& s_top) {
+                        float* s_new, uint32_t& m_top, uint32_t& s_top) {
   const int64_t len = kFast ? kBlock : len_arg;
   const float m_scale = *b.m_absmax / kSignedMax;
   const float s_scale = *b.s_absmax / kUnsignedMax;
   const float m_fold = m_scale * kDecodeShift;
   const float s_fold = s_scale * kDecodeShift;
   const float inv_bc2 = 1.0f / h.bc2_sqrt;
-  float m_max = 0.0f;
-  float s_max = 0.0f;
+  uint32_t m_max = 0;
+  uint32_t s_max = 0;
   float* pb = b.p;
   const float* gb = b.g;
   const uint8_t* mb = b.m_codes;
@@ -97,9 +101,10 @@ inline void int8_update(const Hyper h, const Int8Block& b, int64_t len_arg, floa
     pb[j] = adam_element_scaled<kScaled>(h, inv_bc2, pb[j], gb[j], mi, vi, s);
     m_new[j] = mi;
     s_new[j] = s;
-    const float am = std::fabs(mi);
+    const uint32_t am = to_bits(mi) & 0x7FFFFFFFU;
+    const uint32_t as = to_bits(s) & 0x7FFFFFFFU;
     m_max = m_max > am ? m_max : am;
-    s_max = s_max > s ? s_max : s;
+    s_max = s_max > as ? s_max : as;
   }
   m_top = m_max;
   s_top = s_max;
@@ -148,19 +153,39 @@ inline void int8_encode(const float* m_new, const float* s_new, EncodeScale m_sc
 // stays finite)
 constexpr float kFoldLimit = 0x1p15f;
 
+// The bits of the largest finite float; those of |x| are above them for Inf and NaN.
+constexpr uint32_t kFiniteBits = 0x7F7FFFFFU;
+
+// A block with a non-finite new moment (an Inf or NaN gradient element, rare; off the
+// vectorised loop): the absmaxes of its finite values, a non-finite m stored as 0, a
+// non-finite sqrt(v) left to saturate at the largest code (adamw_math.h).
+inline void keep_local(float* m_new, const float* s_new, uint32_t& m_max, uint32_t& s_max) {
+  float m_top = 0.0f, s_top = 0.0f;
+  for (int64_t j = 0; j < kBlock; ++j) {
+    m_new[j] = finite_or_zero(m_new[j]);
+    m_top = std::max(m_top, std::fabs(m_new[j]));
+    s_top = std::max(s_top, finite_or_zero(s_new[j]));
+  }
+  m_max = to_bits(m_top);
+  s_max = to_bits(s_top);
+}
+
 // One block of the int8 update: len values (a full block is kBlock).
 template <bool kScaled>
 inline void int8_block(const Hyper& h, const Int8Block& b, int64_t len, uint32_t key) {
   alignas(64) float m_new[kBlock];
   alignas(64) float s_new[kBlock];
-  float m_max, s_max;
+  uint32_t m_bits, s_bits;
   if (len == kBlock && *b.m_absmax < kFoldLimit && *b.s_absmax < kFoldLimit) {
-    int8_update<true, kScaled>(h, b, len, m_new, s_new, m_max, s_max);
+    int8_update<true, kScaled>(h, b, len, m_new, s_new, m_bits, s_bits);
   } else {
-    int8_update<false, true>(h, b, len, m_new, s_new, m_max, s_max);
+    int8_update<false, true>(h, b, len, m_new, s_new, m_bits, s_bits);
     std::fill(m_new + len, m_new + kBlock, 0.0f);
     std::fill(s_new + len, s_new + kBlock, 0.0f);
   }
+  if (m_bits > kFiniteBits || s_bits > kFiniteBits) keep_local(m_new, s_new, m_bits, s_bits);
+  const float m_max = from_bits(m_bits);
+  const float s_max = from_bits(s_bits);
   const EncodeScale m_sc = encode_scale(m_max, kSignedMax);
   const EncodeScale s_sc = encode_scale(s_max, kUnsignedMax);
   if (m_sc.second == 1.0f && s_sc.second == 1.0f)
@@ -175,7 +200,7 @@ inline void int8_block(const Hyper& h, const Int8Block& b, int64_t len, uint32_t
 
 extern "C" {
 
-int sakura_offload_abi_version() { return 3; }
+int sakura_offload_abi_version() { return 4; }
 
 // Every code's value, for the test that holds this file and _formats.py to one definition.
 void sakura_decode_tables(float* signed_values, float* unsigned_values) {
