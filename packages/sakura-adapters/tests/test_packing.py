@@ -180,6 +180,47 @@ def test_pack_sequences_rejects(kwargs: dict[str, Any], option: str) -> None:
     assert str(info.value).startswith("pack_sequences: ")
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "option", "value"),
+    [
+        ({"pad_token_id": -1}, "pad_token_id", -1),
+        ({"pad_token_id": True}, "pad_token_id", True),
+        ({"pad_token_id": 2**40}, "pad_token_id", 2**40),
+        ({"sequences": [[1, 2], [3, -5]]}, "sequences[1][1]", -5),
+        ({"sequences": [[1, 2**40]]}, "sequences[0][1]", 2**40),
+        ({"sequences": [[True, False]]}, "sequences[0]", [True, False]),
+        ({"sequences": [torch.tensor([1, 2, 2**31])]}, "sequences[0][2]", 2**31),
+        ({"sequences": [torch.tensor([3, 1], dtype=torch.int8)]}, None, None),
+        (
+            {"sequences": [{"input_ids": [1, 2, 3], "labels": [-100, 2, -1]}]},
+            "sequences[0]['labels'][2]",
+            -1,
+        ),
+    ],
+)
+def test_pack_sequences_rejects_bad_token_ids(
+    kwargs: dict[str, Any], option: str | None, value: Any
+) -> None:
+    # These were packed silently: a pad id of -1 or 2**40, bool ids, negative ids.
+    arguments = {"sequences": [[1, 2]], "max_length": 4, **kwargs}
+    if option is None:  # small int dtypes are ids too
+        assert pack_sequences(**arguments)["input_ids"].tolist() == [[3, 1, 0, 0]]
+        return
+    with pytest.raises(OptionError) as info:
+        pack_sequences(**arguments)
+    assert info.value.option == option
+    assert info.value.value == value and type(info.value.value) is type(value)
+    assert str(info.value).startswith(f"pack_sequences: {option}=")
+    assert "int" in info.value.accepted
+
+
+def test_packed_collator_rejects_a_negative_pad_id() -> None:
+    with pytest.raises(
+        OptionError, match=r"PackedCollator: pad_token_id=-1 .*>= 0 and <= 2147483647"
+    ):
+        PackedCollator(4, pad_token_id=-1)
+
+
 def test_packed_collator_rejects() -> None:
     for kwargs, option in (
         ({"max_length": 0}, "max_length"),

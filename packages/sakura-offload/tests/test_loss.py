@@ -224,6 +224,31 @@ def test_no_tokens_by_vocab_tensor_is_saved_or_allocated() -> None:
     assert allocated <= max(chunk * vocab, vocab * hidden_size)
 
 
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        (-1, "-1"),
+        (0, "0"),
+        (True, "True"),
+        (2.5, "2.5"),
+        (torch.tensor(-3), "-3"),
+        (torch.tensor(0.0), "0.0"),
+        (torch.tensor(float("nan")), "nan"),
+        (torch.tensor([4, 4]), r"\[4, 4\]"),
+        (torch.tensor(True), "True"),
+    ],
+)
+def test_num_items_in_batch_must_be_a_positive_count(value: object, shown: str) -> None:
+    # -1 gave a negative loss, 0 an infinite one.
+    hidden, weight, _, labels = inputs()
+    with pytest.raises(OptionError, match=rf"num_items_in_batch={shown} is not accepted") as info:
+        chunked_causal_lm_loss(hidden, weight, labels, num_items_in_batch=value)  # type: ignore[arg-type]
+    assert "a positive int" in info.value.accepted
+    for good in (7, torch.tensor(7), torch.tensor([7.0])):
+        loss = chunked_causal_lm_loss(hidden, weight, labels, num_items_in_batch=good)
+        assert loss.item() > 0
+
+
 def test_options_are_validated() -> None:
     hidden, weight, _, labels = inputs()
     with pytest.raises(OptionError, match="chunk_size=0 is not accepted; accepted: an int >= 1"):

@@ -33,10 +33,17 @@ import torch
 
 from sakura.options import check_choice, check_int, option_error
 
-__all__ = ["IGNORE_INDEX", "PackedCollator", "best_fit", "pack_sequences"]
+__all__ = ["IGNORE_INDEX", "MAX_TOKEN_ID", "PackedCollator", "best_fit", "pack_sequences"]
 
 IGNORE_INDEX = -100
 """The label that cross-entropy ignores (transformers' and torch's default)."""
+
+MAX_TOKEN_ID = 2**31 - 1
+"""The largest token id accepted (and ``pad_token_id``): ids are int32-sized in every
+tokenizer (the largest vocabularies hold a few hundred thousand), so a larger one is a
+corrupted input, not a token."""
+_ID_TEXT = f"a token id: an int from 0 to {MAX_TOKEN_ID} (not a bool)"
+_LABEL_TEXT = f"a label: {IGNORE_INDEX} or a token id, an int from 0 to {MAX_TOKEN_ID}"
 
 OVERFLOW = ("split", "truncate", "error")
 PAD_TO = ("max_length", "longest")
@@ -94,9 +101,11 @@ def pack_sequences(
     Args:
         sequences: documents, each a sequence of token ids (list, tuple, 1-D tensor) or a
             mapping with ``input_ids`` and optionally ``labels`` of the same length (-100
-            where a token is not to be learned, e.g. a prompt).
+            where a token is not to be learned, e.g. a prompt).  Ids are ints from 0 to
+            :data:`MAX_TOKEN_ID` (not bools), labels the same or -100.
         max_length: tokens per row.
-        pad_token_id: the input id of padding at the end of rows.
+        pad_token_id: the input id of padding at the end of rows (a token id, 0 to
+            :data:`MAX_TOKEN_ID`).
         overflow: a document longer than ``max_length``: ``"split"`` into pieces of
             ``max_length`` tokens, each packed as a document of its own (the first token of
             each piece is not predicted); ``"truncate"`` to its first ``max_length`` tokens;
@@ -114,7 +123,9 @@ def pack_sequences(
     """
     owner = "pack_sequences"
     max_length = check_int("max_length", max_length, minimum=1, owner=owner)
-    pad_token_id = check_int("pad_token_id", pad_token_id, owner=owner)
+    pad_token_id = check_int(
+        "pad_token_id", pad_token_id, minimum=0, maximum=MAX_TOKEN_ID, owner=owner
+    )
     check_choice("overflow", overflow, OVERFLOW, owner=owner)
     check_choice("pad_to", pad_to, PAD_TO, owner=owner)
     documents: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -167,10 +178,10 @@ def _document(sequence: Any, index: int) -> tuple[torch.Tensor, torch.Tensor]:
                 owner="pack_sequences",
             )
         ids, labels = sequence["input_ids"], sequence.get("labels")
-    ids_t = _ids(ids, f"sequences[{index}]")
+    ids_t = _ids(ids, f"sequences[{index}]", labels=False)
     if labels is None:
         return ids_t, ids_t
-    labels_t = _ids(labels, f"sequences[{index}]['labels']")
+    labels_t = _ids(labels, f"sequences[{index}]['labels']", labels=True)
     if labels_t.shape != ids_t.shape:
         raise option_error(
             f"sequences[{index}]['labels']",
@@ -181,17 +192,36 @@ def _document(sequence: Any, index: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids_t, labels_t
 
 
-def _ids(value: Any, option: str) -> torch.Tensor:
+def _ids(value: Any, option: str, *, labels: bool) -> torch.Tensor:
+    """``value`` as a 1-D int64 tensor, each element a token id (or -100 for ``labels``)."""
     try:
         tensor = torch.as_tensor(value)
     except (TypeError, ValueError, RuntimeError):
         tensor = None
     if tensor is not None and tensor.dim() == 1 and tensor.numel() == 0:
         return tensor.to(torch.long)  # an empty document: packed as nothing
-    if tensor is None or tensor.dim() != 1 or tensor.is_floating_point() or tensor.is_complex():
+    if (
+        tensor is None
+        or tensor.dim() != 1
+        or tensor.is_floating_point()
+        or tensor.is_complex()
+        or tensor.dtype == torch.bool
+    ):
         shown = value if not isinstance(value, torch.Tensor) else f"<tensor {tuple(value.shape)}>"
         raise option_error(option, shown, "a 1-D sequence of int token ids", owner="pack_sequences")
-    return tensor.to(torch.long)
+    ids = tensor.to(torch.long)  # a uint64 past int64's range wraps negative: caught below
+    bad = (ids < 0) | (ids > MAX_TOKEN_ID)
+    if labels:
+        bad &= ids != IGNORE_INDEX
+    if bool(bad.any()):
+        at = int(bad.nonzero()[0])
+        raise option_error(
+            f"{option}[{at}]",
+            int(tensor[at]),
+            _LABEL_TEXT if labels else _ID_TEXT,
+            owner="pack_sequences",
+        )
+    return ids
 
 
 class PackedCollator:
@@ -223,7 +253,9 @@ class PackedCollator:
         self.max_length = check_int(
             "max_length", max_length, minimum=1, allow_none=True, owner=owner
         )
-        self.pad_token_id = check_int("pad_token_id", pad_token_id, owner=owner)
+        self.pad_token_id = check_int(
+            "pad_token_id", pad_token_id, minimum=0, maximum=MAX_TOKEN_ID, owner=owner
+        )
         self.overflow = check_choice("overflow", overflow, OVERFLOW, owner=owner)
         self.pad_to = check_choice("pad_to", pad_to, PAD_TO, owner=owner)
         self.use_cache = check_choice("use_cache", use_cache, (False, True, None), owner=owner)

@@ -25,6 +25,7 @@ wrapping one): it runs the decoder, then this loss with the model's ``lm_head``.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -171,7 +172,9 @@ def chunked_causal_lm_loss(
         bias: ``(vocab,)``, the head's bias if it has one.
         num_items_in_batch: with ``reduction="mean"``: divide the summed loss by this
             instead of this batch's number of scored tokens (as transformers' Trainer does
-            under gradient accumulation).  An int or a 0-d tensor.
+            under gradient accumulation).  A positive int or a one-element tensor of a
+            positive count (its value is checked on the CPU; on an accelerator only its
+            shape and dtype, as reading it would synchronise).
         shift_labels: targets already aligned with the positions (not shifted again).
 
     Returns:
@@ -227,12 +230,7 @@ def chunked_causal_lm_loss(
                 "None unless reduction='mean'",
                 owner=_OWNER,
             )
-        if isinstance(num_items_in_batch, bool) or not isinstance(
-            num_items_in_batch, (int, torch.Tensor)
-        ):
-            raise option_error(
-                "num_items_in_batch", num_items_in_batch, "None, an int or a tensor", owner=_OWNER
-            )
+        _check_num_items(num_items_in_batch)
     flat_targets = targets.reshape(-1).to(device=hidden_states.device, dtype=torch.int64)
     losses: torch.Tensor = _ChunkedCrossEntropy.apply(  # type: ignore[no-untyped-call]
         hidden_states.reshape(-1, hidden_size),
@@ -252,6 +250,26 @@ def chunked_causal_lm_loss(
     if isinstance(num_items_in_batch, torch.Tensor):
         return total / num_items_in_batch.to(total.device)
     return total / num_items_in_batch
+
+
+_NUM_ITEMS_TEXT = "None, a positive int, or a one-element tensor of a positive count"
+
+
+def _check_num_items(value: object) -> None:
+    """A divisor that is a count: a positive int, or a one-element real tensor whose value
+    (on the CPU; on an accelerator reading it would be a host-device sync on every step,
+    so only its shape and dtype are checked there) is positive and finite."""
+    if isinstance(value, torch.Tensor):
+        real = not (value.dtype == torch.bool or value.is_complex())
+        ok = real and value.numel() == 1
+        if ok and value.device.type == "cpu":
+            count = float(value.reshape(()))
+            ok = math.isfinite(count) and count > 0
+        if not ok:
+            shown = value.tolist() if value.device.type == "cpu" and value.numel() <= 8 else value
+            raise option_error("num_items_in_batch", shown, _NUM_ITEMS_TEXT, owner=_OWNER)
+    elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise option_error("num_items_in_batch", value, _NUM_ITEMS_TEXT, owner=_OWNER)
 
 
 def _causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
