@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import time
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from sakura_async.checkpoint import (
     parse_every,
     write_checkpoint,
 )
+from sakura_async.checkpoint.store import remove_stale_temporaries
 from sakura_async.dispatch import InThreadDispatcher, ThreadDispatcher
 from sakura_async.errors import CheckpointWriteError
 from sakura_async.snapshot import iter_tensors
@@ -222,25 +224,45 @@ def test_loaders_skip_corrupt_and_incomplete_checkpoints(tmp_path: Path) -> None
 
 
 def test_stale_temporaries_of_dead_writers_are_removed_at_setup(tmp_path: Path) -> None:
-    def building(name: str, pid: int | None, age_s: float = 0.0) -> Path:
+    """A temporary directory is live exactly while a process holds the lock on its marker:
+    a pid in an unlocked marker, or no marker at all, is a dead writer's."""
+
+    def building(name: str, pid: int | None) -> Path:
         path = tmp_path / name
         path.mkdir()
         if pid is not None:
             (path / ".sakura-writer").write_text(str(pid))
-        if age_s:
-            past = time.time() - age_s
-            os.utime(path, (past, past))
+        (path / "state.pt").write_bytes(b"x" * 100)
         return path
 
-    dead = building(".step-0000000001-epoch-0000.k3j2.tmp", 999_999_999)
-    alive = building(".step-0000000002-epoch-0000.a8x1.tmp", os.getppid())  # another live pid
-    crashed_at_birth = building(".step-0000000003-epoch-0000.zz01.tmp", None, age_s=3600)
-    about_to_rename = building(".step-0000000004-epoch-0000.qq02.tmp", None)  # marker gone
+    dead = building(".step-0000000001-epoch-0000.k3j2.tmp", os.getppid())  # a live pid
+    alive = building(".step-0000000002-epoch-0000.a8x1.tmp", 999_999_999)
+    at_birth = building(".step-0000000003-epoch-0000.zz01.tmp", None)  # died before its marker
     deleting = building(".deleting-step-0000000000-epoch-0000-1", None)
-    with SakuraRuntime(strict=True) as rt:
-        rt.install(AsyncCheckpoint(tmp_path, dispatcher="inthread"))
-    assert not dead.exists() and not crashed_at_birth.exists() and not deleting.exists()
-    assert alive.exists() and about_to_rename.exists()
+    holder = subprocess.Popen(  # another process, alive, holding the lock of `alive`
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys\n"
+            "fd = os.open(sys.argv[1], os.O_RDWR)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+            "print('locked', flush=True)\n"
+            "sys.stdin.read()\n",
+            str(alive / ".sakura-writer"),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "locked\n"
+        with SakuraRuntime(strict=True) as rt:
+            rt.install(AsyncCheckpoint(tmp_path, dispatcher="inthread"))
+        assert not dead.exists() and not at_birth.exists() and not deleting.exists()
+        assert sorted(os.listdir(alive)) == [".sakura-writer", "state.pt"]  # untouched
+    finally:
+        holder.communicate("", timeout=30)
+    assert remove_stale_temporaries(str(tmp_path)) == [alive.name]  # its writer is gone now
 
 
 def test_train_steps_poll_without_blocking(world: Any, tmp_path: Path) -> None:

@@ -24,11 +24,15 @@ import math
 import struct
 from collections import OrderedDict
 from collections.abc import Mapping
+from functools import cache
 from typing import Any, BinaryIO
+
+from sakura_async.errors import CheckpointError
 
 __all__ = [
     "FORMATS",
     "HashingWriter",
+    "decode_tree",
     "main_file",
     "read_state",
     "tree_from_json",
@@ -51,13 +55,18 @@ def main_file(fmt: str, compress: int | None) -> str:
 
 
 class HashingWriter(io.RawIOBase):
-    """A write-only stream that hashes (sha256) and counts what goes through it."""
+    """A write-only stream that hashes (sha256) and counts what goes through it.
+
+    It remembers the first ``OSError`` of the underlying file (``error``): ``torch.save``
+    turns it into a ``RuntimeError`` of its own, and :func:`write_state` raises the OS
+    error itself instead."""
 
     def __init__(self, raw: BinaryIO) -> None:
         super().__init__()
         self._raw = raw
         self.sha256 = hashlib.sha256()
         self.bytes = 0
+        self.error: OSError | None = None
 
     def writable(self) -> bool:
         return True
@@ -65,7 +74,11 @@ class HashingWriter(io.RawIOBase):
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         self.sha256.update(view)
-        self._raw.write(view)
+        try:
+            self._raw.write(view)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
         self.bytes += view.nbytes
         return view.nbytes
 
@@ -95,32 +108,56 @@ _ST_DTYPES: dict[str, str] = {
 }
 
 
-def tree_to_json(tree: Any, tensors: list[Any], path: str = "state") -> Any:
+_MAX_DEPTH = 100
+"""How deeply containers may nest in a safetensors tree (written and read): a real state
+tree nests a few levels; a forged one must not exhaust the stack."""
+_KEY_TYPES = (str, int, float, bool, type(None))
+_NON_FINITE = ("nan", "inf", "-inf")
+
+
+@cache
+def _dtypes() -> dict[str, Any]:
+    """The allow-list of ``__dtype__`` values: every ``torch.dtype`` object by its own
+    name.  Decoding looks names up here, never with ``getattr(torch, name)``."""
+    import torch
+
+    return {
+        str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
+    }
+
+
+def tree_to_json(tree: Any, tensors: list[Any], path: str = "state", depth: int = 0) -> Any:
     """Encode ``tree`` as JSON-able data; tensors are appended to ``tensors`` and replaced
     by ``{"__tensor__": index}``.  Dict keys may be str, int, float, bool or None."""
     import torch
 
+    if depth > _MAX_DEPTH:
+        raise TypeError(
+            f"format='safetensors' stores trees nested at most {_MAX_DEPTH} levels deep; "
+            f"{path} is deeper (or the tree contains itself); use format='torch'"
+        )
     if isinstance(tree, torch.Tensor):
         tensors.append(tree)
         return {"__tensor__": len(tensors) - 1}
     if isinstance(tree, Mapping):
         items = []
         for key, value in tree.items():
-            if not isinstance(key, (str, int, float, bool, type(None))):
+            if not isinstance(key, _KEY_TYPES):
                 raise TypeError(
                     f"format='safetensors' stores dict keys of type str, int, float, bool or None; "
                     f"{path} has a key of type {type(key).__name__}; use format='torch'"
                 )
-            items.append([key, tree_to_json(value, tensors, f"{path}[{key!r}]")])
+            items.append([key, tree_to_json(value, tensors, f"{path}[{key!r}]", depth + 1)])
         kind = "odict" if isinstance(tree, OrderedDict) else "dict"
         return {f"__{kind}__": items}
     if isinstance(tree, tuple):
-        return {"__tuple__": [tree_to_json(v, tensors, f"{path}[{i}]") for i, v in enumerate(tree)]}
+        encoded = [tree_to_json(v, tensors, f"{path}[{i}]", depth + 1) for i, v in enumerate(tree)]
+        return {"__tuple__": encoded}
     if isinstance(tree, list):
-        return [tree_to_json(v, tensors, f"{path}[{i}]") for i, v in enumerate(tree)]
+        return [tree_to_json(v, tensors, f"{path}[{i}]", depth + 1) for i, v in enumerate(tree)]
     if isinstance(tree, float) and not math.isfinite(tree):
         return {"__float__": repr(tree)}
-    if isinstance(tree, (str, int, float, bool, type(None))):
+    if isinstance(tree, _KEY_TYPES):
         return tree
     if isinstance(tree, torch.dtype):
         return {"__dtype__": str(tree).removeprefix("torch.")}
@@ -130,26 +167,83 @@ def tree_to_json(tree: Any, tensors: list[Any], path: str = "state") -> Any:
     )
 
 
-def tree_from_json(data: Any, tensors: Mapping[str, Any]) -> Any:
-    import torch
+def _corrupt(path: str, problem: str) -> CheckpointError:
+    return CheckpointError(f"the checkpoint's tree is malformed at {path}: {problem}")
 
+
+def tree_from_json(data: Any, tensors: Mapping[str, Any]) -> Any:
+    """Decode what :func:`tree_to_json` wrote.  The data is untrusted: anything but the
+    exact shapes it writes (one marker key per object, dict keys of plain types, tensor
+    indices present in ``tensors``, dtype names of real ``torch.dtype`` objects, at most
+    ``_MAX_DEPTH`` levels) raises :class:`~sakura_async.errors.CheckpointError`, and the
+    result holds only containers, plain values, dtypes and the tensors of ``tensors``."""
+    return _decode(data, tensors, _dtypes(), "state", 0)
+
+
+def _decode(
+    data: Any, tensors: Mapping[str, Any], dtypes: dict[str, Any], path: str, depth: int
+) -> Any:
+    if depth > _MAX_DEPTH:
+        raise _corrupt(path, f"containers nest deeper than {_MAX_DEPTH} levels")
     if isinstance(data, list):
-        return [tree_from_json(v, tensors) for v in data]
-    if isinstance(data, dict):
-        if "__tensor__" in data:
-            return tensors[f"t{data['__tensor__']}"]
-        if "__dict__" in data:
-            return {k: tree_from_json(v, tensors) for k, v in data["__dict__"]}
-        if "__odict__" in data:
-            return OrderedDict((k, tree_from_json(v, tensors)) for k, v in data["__odict__"])
-        if "__tuple__" in data:
-            return tuple(tree_from_json(v, tensors) for v in data["__tuple__"])
-        if "__float__" in data:
-            return float(data["__float__"])
-        if "__dtype__" in data:
-            return getattr(torch, data["__dtype__"])
-        raise ValueError(f"unknown encoded value {data!r}")
-    return data
+        return [_decode(v, tensors, dtypes, f"{path}[{i}]", depth + 1) for i, v in enumerate(data)]
+    if not isinstance(data, dict):
+        if isinstance(data, _KEY_TYPES):
+            return data
+        raise _corrupt(path, f"a value of type {type(data).__name__}")
+    if len(data) != 1:
+        raise _corrupt(
+            path, f"an object with keys {sorted(map(str, data))[:8]} (one marker expected)"
+        )
+    ((marker, value),) = data.items()
+    if marker == "__tensor__":
+        name = f"t{value}" if isinstance(value, int) and not isinstance(value, bool) else None
+        if name is None or name not in tensors:
+            raise _corrupt(path, f"tensor {value!r} is not in the file")
+        return tensors[name]
+    if marker in ("__dict__", "__odict__"):
+        if not isinstance(value, list):
+            raise _corrupt(path, f"{marker} holds a {type(value).__name__}, not a list of pairs")
+        items = []
+        for pair in value:
+            if not isinstance(pair, list) or len(pair) != 2 or not isinstance(pair[0], _KEY_TYPES):
+                raise _corrupt(path, f"{marker} holds {_short(pair)}, not a [key, value] pair")
+            key = pair[0]
+            items.append((key, _decode(pair[1], tensors, dtypes, f"{path}[{key!r}]", depth + 1)))
+        return dict(items) if marker == "__dict__" else OrderedDict(items)
+    if marker == "__tuple__":
+        if not isinstance(value, list):
+            raise _corrupt(path, f"__tuple__ holds a {type(value).__name__}, not a list")
+        return tuple(
+            _decode(v, tensors, dtypes, f"{path}[{i}]", depth + 1) for i, v in enumerate(value)
+        )
+    if marker == "__float__":
+        if value not in _NON_FINITE:
+            raise _corrupt(path, f"__float__ {_short(value)} is not one of {_NON_FINITE}")
+        return float(value)
+    if marker == "__dtype__":
+        dtype = dtypes.get(value) if isinstance(value, str) else None
+        if dtype is None:
+            raise _corrupt(path, f"__dtype__ {_short(value)} is not a torch dtype")
+        return dtype
+    raise _corrupt(path, f"unknown marker {_short(marker)}")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def decode_tree(text: Any, tensors: Mapping[str, Any]) -> Any:
+    """Parse the JSON ``text`` of a tree (``sakura.tree``) and decode it; anything
+    malformed raises :class:`~sakura_async.errors.CheckpointError`."""
+    if not isinstance(text, (str, bytes)):
+        raise CheckpointError(f"the checkpoint's tree is a {type(text).__name__}, not JSON text")
+    try:
+        skeleton = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, int digits, nesting
+        raise CheckpointError(f"the checkpoint's tree is not valid JSON ({_short(exc)})") from None
+    return tree_from_json(skeleton, tensors)
 
 
 def _write_safetensors(tree: Any, out: Any) -> None:
@@ -189,19 +283,26 @@ def _write_safetensors(tree: Any, out: Any) -> None:
             out.write(t.reshape(-1).view(torch.uint8).numpy().data)
 
 
-def _read_safetensors(data: bytes | None, path: str | None) -> Any:
+def _read_safetensors(data: bytes | None, path: str) -> Any:
+    """The tree of a safetensors checkpoint: from ``data`` (decompressed) or the file."""
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import load, load_file
 
-    tensors = load(data) if data is not None else load_file(path)  # type: ignore[arg-type]
-    if data is None:
-        with open(path, "rb") as f:  # type: ignore[arg-type]
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
-    else:
-        (size,) = struct.unpack("<Q", data[:8])
-        header = json.loads(data[8 : 8 + size])
-    skeleton = json.loads(header["__metadata__"]["sakura.tree"])
-    return tree_from_json(skeleton, tensors)
+    try:
+        if data is not None:
+            tensors = load(data)
+            (size,) = struct.unpack("<Q", data[:8])
+            # safetensors checked the header against the data already
+            metadata = json.loads(data[8 : 8 + size]).get("__metadata__")
+        else:
+            tensors = load_file(path)
+            with safe_open(path, framework="pt") as f:
+                metadata = f.metadata()
+    except (SafetensorError, ValueError, struct.error, AttributeError) as exc:
+        raise CheckpointError(f"not a readable safetensors file ({_short(exc)})") from None
+    if not isinstance(metadata, dict) or "sakura.tree" not in metadata:
+        raise CheckpointError("the safetensors file holds no sakura.tree metadata")
+    return decode_tree(metadata["sakura.tree"], tensors)
 
 
 # --- entry points -----------------------------------------------------------------------
@@ -222,7 +323,14 @@ def write_state(tree: Any, raw: BinaryIO, fmt: str, compress: int | None) -> Has
     if fmt == "safetensors":
         _write_safetensors(tree, sink)
     else:
-        torch.save(tree, sink)
+        try:
+            torch.save(tree, sink)
+        except RuntimeError:
+            if hashing.error is None:
+                raise
+            # torch reports a failed write as "[enforce fail ...] unexpected pos": the
+            # disk's error (ENOSPC, EFBIG, EIO) is the one that says what happened.
+            raise hashing.error from None
     if compress:
         sink.flush(zstandard.FLUSH_FRAME)
         sink.close()
@@ -233,22 +341,35 @@ def write_state(tree: Any, raw: BinaryIO, fmt: str, compress: int | None) -> Has
 
 
 def read_state(path: str, fmt: str, *, map_location: Any = "cpu", weights_only: bool = True) -> Any:
-    """Read the state tree of a checkpoint file written by :func:`write_state`."""
+    """Read the state tree of a checkpoint file written by :func:`write_state`.
+
+    The file is untrusted: content that does not decode (a malformed tree, a pickle that
+    ``torch.load`` rejects or that fails, broken compression) raises
+    :class:`~sakura_async.errors.CheckpointError`; an ``OSError`` reading the file is
+    raised as itself."""
     import torch
 
+    source: Any = path
     if path.endswith(".zst"):
         import zstandard
 
         with open(path, "rb") as f:
-            data = zstandard.ZstdDecompressor().stream_reader(f).read()
-        if fmt == "safetensors":
-            return _read_safetensors(data, None)
-        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
+            try:
+                source = zstandard.ZstdDecompressor().stream_reader(f).read()
+            except zstandard.ZstdError as exc:
+                raise CheckpointError(f"{path} does not decompress ({_short(exc)})") from None
     if fmt == "safetensors":
-        tree = _read_safetensors(None, path)
+        tree = _read_safetensors(source if isinstance(source, bytes) else None, path)
         if map_location not in (None, "cpu"):
             from sakura_async.snapshot import map_tensors
 
             tree = map_tensors(tree, lambda t: t.to(map_location))
         return tree
-    return torch.load(path, map_location=map_location, weights_only=weights_only)
+    if isinstance(source, bytes):
+        source = io.BytesIO(source)
+    try:
+        return torch.load(source, map_location=map_location, weights_only=weights_only)
+    except OSError:
+        raise
+    except Exception as exc:  # an untrusted pickle can fail in any way: corrupt, not a crash
+        raise CheckpointError(f"{path} does not load with torch.load ({_short(exc)})") from exc

@@ -13,20 +13,25 @@ A write builds the directory under a temporary name with
 :func:`sakura.fileio.atomic_directory`: the state file is written, the manifest (written
 last), every file and the directory fsynced, the directory renamed to its final name and
 the root fsynced.  A crash at any moment leaves either the complete checkpoint or an
-ignored temporary directory, never a partial checkpoint under a final name.  Retention
-runs only after the new checkpoint is durable, and deletes only checkpoints older than it.
+ignored temporary directory, never a partial checkpoint under a final name; the writer
+holds a lock on its temporary directory until after the rename, so the next start removes
+the temporaries of dead writers (:func:`remove_stale_temporaries`).  Retention runs only
+after the new checkpoint is durable, counts only checkpoints whose files verify, and
+deletes only checkpoints older than the oldest one it keeps.
 
 The manifest protects itself: ``manifest_sha256`` is the SHA-256 of its canonical JSON
 (sorted keys, no spaces) without that key.  A checkpoint is complete only when its
 manifest is intact, lists the state file, and names the same step and epoch as the
 directory.  Loaders (:func:`load_latest`, :func:`load_best`) also check every file against
-its size and SHA-256, and skip anything incomplete or corrupt with a warning.
+its size and SHA-256, and skip anything incomplete or corrupt with a warning; a state file
+that matches its checksums but does not decode (a forged checkpoint) is skipped the same way.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import logging
@@ -63,7 +68,9 @@ MANIFEST = "manifest.json"
 MANIFEST_VERSION = 2
 _DIGEST_KEY = "manifest_sha256"
 _WRITER = ".sakura-writer"
-"""Inside a directory being written: the writer's pid (removed before the rename)."""
+"""Inside a directory being written: a file its writer holds an exclusive ``flock`` on from
+the start of the write until after the rename (the OS releases it when the writer dies),
+holding the writer's pid for people reading the directory."""
 _DOOMED = ".deleting-"
 _NAME = re.compile(r"step-(\d+)-epoch-(\d+)(?:\.(\d+))?\Z")
 _TEMPORARY = re.compile(r"\.step-\d+-epoch-\d+(?:\.\d+)?\..*\.tmp\Z")
@@ -117,6 +124,14 @@ def _plain_name(name: Any) -> bool:
     )
 
 
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _check_manifest(manifest: Any, dirname: str) -> str | None:
     """None when ``manifest`` is a complete, intact manifest for directory ``dirname``;
     else what is wrong."""
@@ -146,12 +161,17 @@ def _check_manifest(manifest: Any, dirname: str) -> str | None:
             or not isinstance(info.get("bytes"), int)
         ):
             return f"the manifest entry of {name!r} has no sha256 and size"
+    metric, created = manifest.get("metric"), manifest.get("created_unix", 0.0)
+    if metric is not None and not isinstance(metric, dict):
+        return f"the manifest's metric {metric!r} is not an object"
+    if not _number(created):
+        return f"the manifest's created_unix {created!r} is not a number"
     step, epoch = manifest.get("step"), manifest.get("epoch")
     match = _NAME.match(dirname)
     if (
         match is None
-        or not isinstance(step, int)
-        or not isinstance(epoch, int)
+        or not _integer(step)
+        or not _integer(epoch)
         or int(match.group(1)) != step
         or int(match.group(2)) != epoch
     ):
@@ -226,11 +246,10 @@ def _write_new(
 ) -> str:
     for _ in range(100):
         final = os.path.join(root, _final_name(root, step, epoch))
+        lock = -1
         try:
             with atomic_directory(final) as tmp:
-                marker = os.path.join(tmp, _WRITER)
-                with open(marker, "w", encoding="ascii") as f:
-                    f.write(str(os.getpid()))
+                lock = _lock_new(str(tmp))
                 file_name = main_file(format, compress)
                 with open(os.path.join(tmp, file_name), "wb") as f:
                     hashing = write_state(state, f, format, compress)
@@ -251,25 +270,42 @@ def _write_new(
                 manifest[_DIGEST_KEY] = manifest_digest(manifest)
                 with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
                     json.dump(manifest, f, indent=1, sort_keys=True)
-                os.unlink(marker)  # atomic_directory fsyncs the files, renames, fsyncs root
+                # atomic_directory fsyncs the files, renames, fsyncs root: still locked.
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(final, _WRITER))  # a leftover one is harmless
             return final
+        except _Claimed:
+            continue  # a cleaner took the fresh temporary before we locked it: start again
         except OSError as exc:
             if not _name_taken(exc, final):
                 raise
             # Another writer took the name between our choice and our rename: next name.
+        finally:
+            if lock >= 0:
+                os.close(lock)  # releases the lock, after the rename
     raise CheckpointError(f"could not find a free checkpoint name under {root}")
 
 
 def _retain(root: str, keep: int, *, newest: str) -> None:
-    """Delete complete checkpoints older than the ``keep`` newest (the just-written one,
-    already durable, counts).  Never deletes anything newer than ``newest``."""
+    """Keep the ``keep`` newest *verified* checkpoints up to ``newest`` (the just-written
+    one counts once it verifies) and delete the complete checkpoints older than the oldest
+    of them.  A checkpoint whose files fail verification is never counted: it stays while
+    it is newer than the oldest kept one (loaders skip it) and goes with the others once it
+    is older.  With fewer than ``keep`` verified checkpoints nothing is deleted, so the
+    newest verified one always survives.  Never touches anything newer than ``newest``."""
     found = find_checkpoints(root, verify=False)
     names = [c.path for c in found]
     if newest not in names:
         return
-    cutoff = names.index(newest) + 1  # nothing after the new one is touched
-    older = found[:cutoff]
-    for old in older[: max(0, len(older) - keep)]:
+    older = found[: names.index(newest) + 1]  # nothing after the new one is touched
+    verified = 0
+    for cut in range(len(older) - 1, -1, -1):
+        verified += _intact(older[cut])
+        if verified == keep:
+            break
+    else:
+        return
+    for old in older[:cut]:
         # Rename first so a crash mid-delete never leaves a half-deleted "complete" one.
         doomed = os.path.join(root, f"{_DOOMED}{os.path.basename(old.path)}-{os.getpid()}")
         try:
@@ -280,54 +316,113 @@ def _retain(root: str, keep: int, *, newest: str) -> None:
     fsync_dir(root)
 
 
-def remove_stale_temporaries(root: str, *, min_age_s: float = 60.0) -> list[str]:
+def _intact(ckpt: Checkpoint) -> bool:
+    """Whether every file of ``ckpt`` matches its manifest (a corrupt one is warned about;
+    one that another writer's retention removed meanwhile is just not intact)."""
+    try:
+        problem = _problem(ckpt)
+    except _Vanished:
+        return False
+    if problem is not None:
+        _warn_skipped(ckpt.path, problem)
+    return problem is None
+
+
+class _Claimed(Exception):
+    """A cleaner claimed a writer's fresh temporary directory before the writer locked it."""
+
+
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except OSError:
+        return False
+
+
+def _lock_new(tmp: str) -> int:
+    """Create the writer marker in the fresh temporary directory ``tmp`` and lock it; the
+    returned descriptor holds the lock until it is closed (after the rename) or the process
+    dies.  Raises :class:`_Claimed` when a cleaner got to ``tmp`` first."""
+    marker = os.path.join(tmp, _WRITER)
+    try:
+        fd = os.open(marker, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    except (FileExistsError, FileNotFoundError) as exc:
+        raise _Claimed(tmp) from exc
+    try:
+        # Only a cleaner that found the marker before we locked it can hold the lock.
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(fd, str(os.getpid()).encode("ascii"))
+    except BlockingIOError as exc:
+        os.close(fd)
+        raise _Claimed(tmp) from exc
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def remove_stale_temporaries(root: str) -> list[str]:
     """Remove what interrupted writers left under ``root``: directories being built by a
     writer that is no longer alive, and checkpoints that retention was deleting.
 
-    A directory being built records its writer's pid until just before its rename; one
-    without a record (a crash right after it was created) is removed once it is
-    ``min_age_s`` old, so a write about to be renamed is never touched.
+    A writer holds a lock (``flock``) on the directory it builds from its first step until
+    after the rename, and the OS releases it when the writer dies, so a temporary directory
+    whose lock is free belongs to a dead writer, whatever step it died at.  One that has no
+    marker yet (its writer died right after creating it, or is just starting) is claimed by
+    creating the marker: a writer that finds its marker taken starts a fresh directory.
+    A live writer's directory is never removed.
     """
     removed: list[str] = []
     if not os.path.isdir(root):
         return removed
-    now = time.time()
     for entry in os.listdir(root):
         path = os.path.join(root, entry)
         if entry.startswith(_DOOMED):
-            stale = True
-        elif _TEMPORARY.match(entry):
-            stale = _abandoned(path, now, min_age_s)
-        else:
-            continue
-        if stale:
             shutil.rmtree(path, ignore_errors=True)
+            removed.append(entry)
+        elif _TEMPORARY.match(entry):
+            lock = _lock_abandoned(path)
+            if lock is None:
+                continue
+            try:  # removed while we hold the lock: a writer starting on it sees _Claimed
+                shutil.rmtree(path, ignore_errors=True)
+            finally:
+                os.close(lock)
             removed.append(entry)
     return removed
 
 
-def _abandoned(path: str, now: float, min_age_s: float) -> bool:
+def _lock_abandoned(path: str) -> int | None:
+    """A descriptor holding the lock of temporary directory ``path`` when its writer is
+    dead; None when a writer holds it (or the directory was renamed or removed)."""
+    marker = os.path.join(path, _WRITER)
     try:
-        with open(os.path.join(path, _WRITER), encoding="ascii") as f:
-            pid = int(f.read().strip() or -1)
+        fd = os.open(marker, os.O_RDWR)
+    except FileNotFoundError:
+        try:  # no marker: claim the directory (a writer creating it now gets EEXIST)
+            fd = os.open(marker, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        except OSError:  # the writer created it just now, or the directory is gone
+            return None
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None  # its writer is alive
+    except BaseException:
+        os.close(fd)
+        raise
+    try:
+        pid = int(os.pread(fd, 32, 0).strip() or -1)
     except (OSError, ValueError):
-        try:
-            return now - os.stat(path).st_mtime >= min_age_s
-        except OSError:
-            return False  # renamed or removed meanwhile
-    return pid != os.getpid() and not _alive(pid)
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        pid = -1
+    # Still this directory's marker (not renamed to a checkpoint meanwhile), and not a
+    # writer of this process (where flock is per process, as on NFS, its lock is ours).
+    if not _same_file(fd, marker) or pid == os.getpid():
+        os.close(fd)
+        return None
+    return fd
 
 
 # --- reading ------------------------------------------------------------------------------
@@ -473,6 +568,11 @@ def _load(ckpt: Checkpoint, map_location: Any, weights_only: bool) -> Checkpoint
         )
     except FileNotFoundError as exc:
         raise _Vanished(ckpt.path) from exc
+    except CheckpointError as exc:  # checksums match, content does not decode: forged
+        if not os.path.isdir(ckpt.path):
+            raise _Vanished(ckpt.path) from exc
+        _warn_skipped(ckpt.path, f"its state does not decode: {exc}")
+        return None
     return ckpt
 
 
