@@ -60,7 +60,7 @@ def test_compiles_with_the_exports_and_abi(built: tuple[Path, ctypes.CDLL]) -> N
         ["nm", "-D", "--defined-only", str(path)], capture_output=True, text=True, check=True
     ).stdout
     assert {line.split()[-1] for line in listed.splitlines() if line.strip()} >= EXPORTS
-    assert lib.sakura_quant_cuda_abi_version() == _kernel.CUDA_LIBRARY.abi_version == 1
+    assert lib.sakura_quant_cuda_abi_version() == _kernel.CUDA_LIBRARY.abi_version == 2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

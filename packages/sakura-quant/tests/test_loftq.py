@@ -215,3 +215,58 @@ def test_bad_options_name_the_option(
         QuantizedBase("nf4", **kwargs)
     with pytest.raises(OptionError, match=f"{option}="):
         load_model("unused.safetensors", "nf4", model=model, **kwargs)
+
+
+def test_an_error_rank_larger_than_a_layer_allows_is_an_error(
+    tmp_path: Path, make_tiny_lm: Callable[[], nn.Module]
+) -> None:
+    # It used to be cut down to min(out, in) silently: the adapters then started with fewer
+    # fitted columns than error_rank said.
+    model = make_tiny_lm().requires_grad_(False)
+    accepted = r"accepted: an int in \[0, 64\] for layers\.0\.q_proj \(its weight is \(64, 64\)"
+    with pytest.raises(OptionError, match=r"quantize_model: error_rank=1000000 .*" + accepted):
+        quantize_model(model, "nf4", error_rank=10**6)
+    assert not any(isinstance(m, QuantizedLinear) for m in model.modules())  # left as it was
+    quantize_model(model, "nf4", block_size=16, error_rank=64)  # the full rank is allowed
+    factors = model.layers[0].q_proj.error_factors
+    assert factors is not None and factors[0].shape == (64, 64)
+
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    safetensors_torch.save_file(make_tiny_lm().state_dict(), str(tmp_path / "m.safetensors"))
+    with pytest.raises(OptionError, match=r"load_model: error_rank=65 .*" + accepted):
+        load_model(tmp_path / "m.safetensors", "nf4", model=make_tiny_lm(), error_rank=65)
+    with pytest.raises(
+        OptionError, match=r"error_rank=9 .* \[0, 8\] for w \(its weight is \(8, 32\)"
+    ):
+        quantize_with_error_fit(
+            torch.randn(8, 32),
+            "nf4",
+            block_size=None,
+            double_quant=False,
+            rank=9,
+            iters=1,
+            name="w",
+        )
+
+
+def test_from_pretrained_checks_error_rank_per_layer(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from sakura_quant import SakuraQuantConfig
+
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    # k_proj and v_proj are (32, 64): 33 is too large for them only.
+    with pytest.raises(
+        OptionError,
+        match=r"SakuraQuantConfig: error_rank=33 .* \[0, 32\] for model\.layers\.0\.self_attn\.k_proj",
+    ):
+        transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path, quantization_config=SakuraQuantConfig("nf4", error_rank=33)
+        )

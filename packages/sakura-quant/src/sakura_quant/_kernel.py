@@ -21,6 +21,7 @@ from sakura.native import NativeLibrary
 from sakura.native_cuda import CudaLibrary
 
 __all__ = [
+    "BAD_ARGUMENTS",
     "CACHE_ENV",
     "CUDA_LIBRARY",
     "LIBRARY",
@@ -30,20 +31,28 @@ __all__ = [
 CSRC = Path(__file__).with_name("csrc")
 
 
+BAD_ARGUMENTS = -1
+"""What a kernel entry point returns when the sizes it is given disagree (it reads nothing)."""
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     for name in ("sakura_nf4_quantize_f32", "sakura_nf4_quantize_bf16"):
         fn = getattr(lib, name)
-        fn.argtypes = [p, i64, i64, p, p, p, i32]
-        fn.restype = None
+        # x, x_len, n, block, mid, absmax, absmax_len, out, out_len, threads
+        fn.argtypes = [p, i64, i64, i64, p, p, i64, p, i64, i32]
+        fn.restype = i64  # 0, BAD_ARGUMENTS, or the count of NaN / Inf inputs
     for name in ("sakura_nf4_dequantize_f32", "sakura_nf4_dequantize_bf16"):
         fn = getattr(lib, name)
-        fn.argtypes = [p, p, i64, i64, p, p, i32]
-        fn.restype = None
+        # data, data_len, absmax, absmax_len, n, block, code, out, out_len, threads
+        fn.argtypes = [p, i64, p, i64, i64, i64, p, p, i64, i32]
+        fn.restype = i32  # 0 or BAD_ARGUMENTS
 
 
-# data, absmax, scale_codes, scale_code_values, scale_absmax, scale_offset, n, block, code, out
-_DEQUANTIZE_ARGS = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2
+# data, data_len, absmax, absmax_len, scale_codes, scale_codes_len, scale_code_values,
+# scale_absmax, scale_absmax_len, scale_offset, n, block, code, out, out_len
+_p, _i64 = ctypes.c_void_p, ctypes.c_int64
+_DEQUANTIZE_ARGS = [_p, _i64, _p, _i64, _p, _i64, _p, _p, _i64, _p, _i64, _i64, _p, _p, _i64]
 
 
 def _declare_cuda(lib: ctypes.CDLL) -> None:
@@ -53,7 +62,7 @@ def _declare_cuda(lib: ctypes.CDLL) -> None:
         launch.restype = ctypes.c_int  # cudaError_t
         emulate = getattr(lib, f"sakura_nf4_dequantize_emulate_{suffix}")
         emulate.argtypes = list(_DEQUANTIZE_ARGS)
-        emulate.restype = None
+        emulate.restype = ctypes.c_int  # 0 or BAD_ARGUMENTS
 
 
 LIBRARY = NativeLibrary(
@@ -61,7 +70,7 @@ LIBRARY = NativeLibrary(
     name="sakura_quant_nf4_cpu",
     sources=[CSRC / "nf4_cpu.cpp"],
     abi_symbol="sakura_quant_abi_version",
-    abi_version=1,
+    abi_version=2,
     declare=_declare,
     what="C++ NF4 kernel",
 )
@@ -71,7 +80,7 @@ CUDA_LIBRARY = CudaLibrary(
     name="sakura_quant_nf4_cuda",
     sources=[CSRC / "nf4_cuda.cu"],
     abi_symbol="sakura_quant_cuda_abi_version",
-    abi_version=1,
+    abi_version=2,
     probe_symbol="sakura_quant_cuda_probe",
     declare=_declare_cuda,
     what="CUDA NF4 kernel",

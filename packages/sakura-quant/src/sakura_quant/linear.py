@@ -28,6 +28,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from sakura_quant.formats import QuantizedWeight
+from sakura_quant.formats.checks import check_quantized_weight
 from sakura_quant.loftq import quantize_with_error_fit
 from sakura_quant.options import check_matmul_dtype, matmul_dtype_name
 from sakura_quant.weights import dequantize_weight, quantize_weight
@@ -39,6 +40,12 @@ _DATA = "weight"
 
 def _buffer_name(tensor_name: str) -> str:
     return _DATA if tensor_name == "data" else f"weight_{tensor_name}"
+
+
+def _describe(tensor: Any) -> str:
+    if isinstance(tensor, torch.Tensor):
+        return f"{tuple(tensor.shape)} {tensor.dtype}"
+    return type(tensor).__name__
 
 
 class _DequantizedMatmul(torch.autograd.Function):
@@ -91,6 +98,7 @@ class QuantizedLinear(nn.Linear):
     ) -> None:
         nn.Module.__init__(self)
         self.matmul_dtype = matmul_dtype
+        check_quantized_weight(qweight, name="QuantizedLinear")
         if len(qweight.shape) != 2:
             raise ValueError(f"QuantizedLinear needs a 2-D weight, got shape {qweight.shape}")
         self.out_features, self.in_features = qweight.shape
@@ -103,10 +111,20 @@ class QuantizedLinear(nn.Linear):
         self.error_iters = error_iters
         if error_factors is not None:
             factor_a, factor_b = error_factors
-            if factor_a.shape[1] != self.in_features or factor_b.shape[0] != self.out_features:
+            if (
+                not all(
+                    isinstance(f, torch.Tensor) and f.is_floating_point() for f in error_factors
+                )
+                or factor_a.dim() != 2
+                or factor_b.dim() != 2
+                or factor_a.shape[1] != self.in_features
+                or factor_b.shape[0] != self.out_features
+                or factor_a.shape[0] != factor_b.shape[1]
+            ):
                 raise ValueError(
-                    f"error_factors of shapes {tuple(factor_a.shape)}, {tuple(factor_b.shape)} "
-                    f"do not fit a ({self.out_features}, {self.in_features}) weight"
+                    f"error_factors must be floating (r, {self.in_features}) and "
+                    f"({self.out_features}, r) tensors for a ({self.out_features}, "
+                    f"{self.in_features}) weight; got {_describe(factor_a)}, {_describe(factor_b)}"
                 )
             self.register_buffer("error_a", factor_a)
             self.register_buffer("error_b", factor_b)
@@ -218,10 +236,18 @@ class QuantizedLinear(nn.Linear):
                 )
             else:
                 fresh = quantize_weight(
-                    weight, self.format, block_size=self.block_size, double_quant=dq
+                    weight,
+                    self.format,
+                    block_size=self.block_size,
+                    double_quant=dq,
+                    name=prefix + _DATA,
                 )
             for name, tensor in fresh.tensors.items():
                 state_dict[prefix + _buffer_name(name)] = tensor
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
+        try:  # a state dict is untrusted: what it loaded (assign=True swaps dtypes) is checked
+            check_quantized_weight(self.quantized_weight(), name=prefix.rstrip(".") or "weight")
+        except ValueError as exc:
+            error_msgs.append(str(exc))

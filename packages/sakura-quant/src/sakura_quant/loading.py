@@ -18,7 +18,7 @@ from torch import nn
 
 from sakura.options import check_bool, check_choice, option_error
 from sakura_quant.linear import QuantizedLinear
-from sakura_quant.loftq import check_error_options, quantize_with_error_fit
+from sakura_quant.loftq import check_error_options, check_error_rank, quantize_with_error_fit
 from sakura_quant.options import (
     FORMAT_NAMES,
     check_block_size,
@@ -146,6 +146,9 @@ def load_model(
             :func:`~sakura_quant.init_lora_from_error` once they are on the model.
         matmul_dtype: as for :func:`~sakura_quant.quantize_model`.
 
+    The checkpoint is untrusted: a tensor whose shape differs from the model's, a target
+    weight holding NaN or ±Inf (named, with the count), or an ``error_rank`` larger than a
+    target allows is a ``ValueError``.
     Every parameter comes back frozen (``requires_grad=False``): put LoRA on it with PEFT.
     A key the model has and the checkpoint lacks is an error, unless the model ties it to
     another (``tie_weights()`` runs for transformers models).
@@ -177,25 +180,40 @@ def load_model(
     with ExitStack() as stack:
         reader = _Reader(files, stack)
         if fmt is not None:
-            for name, linear in find_targets(model, wanted, skipped):
+            found = find_targets(model, wanted, skipped)
+            for name, linear in found:  # before anything is read or quantized
+                check_error_rank(rank, tuple(linear.weight.shape), name=name, owner=_OWNER)
+            for name, linear in found:
                 weight_key = f"{name}.weight"
                 if weight_key not in reader:
                     continue  # tied or missing: reported below
-                weight = reader.read(weight_key)
+                weight = _checked(reader.read(weight_key), linear.weight, weight_key, root)
                 if dtype is not None:
                     weight = weight.to(dtype)
                 factors = None
                 if rank:
                     qweight, error_a, error_b = quantize_with_error_fit(
-                        weight, fmt, block_size=size, double_quant=dq, rank=rank, iters=iters
+                        weight,
+                        fmt,
+                        block_size=size,
+                        double_quant=dq,
+                        rank=rank,
+                        iters=iters,
+                        name=weight_key,
+                        owner=_OWNER,
                     )
                     factors = (error_a, error_b)
                 else:
-                    qweight = quantize_weight(weight, fmt, block_size=size, double_quant=dq)
+                    qweight = quantize_weight(
+                        weight, fmt, block_size=size, double_quant=dq, name=weight_key
+                    )
                 del weight
                 bias = None
                 if linear.bias is not None:
-                    bias = _cast(reader.read(f"{name}.bias"), dtype)
+                    bias_key = f"{name}.bias"
+                    bias = _cast(
+                        _checked(reader.read(bias_key), linear.bias, bias_key, root), dtype
+                    )
                 layer = QuantizedLinear(
                     qweight, bias, error_factors=factors, error_iters=iters, matmul_dtype=compute
                 )
@@ -205,7 +223,8 @@ def load_model(
         for key, module, attr, is_param in _own_tensors(model):
             if isinstance(module, QuantizedLinear) or key not in reader:
                 continue
-            tensor = _cast(reader.read(key), dtype)
+            current = module._parameters[attr] if is_param else module._buffers[attr]
+            tensor = _cast(_checked(reader.read(key), current, key, root), dtype)
             if is_param:
                 module._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
             else:
@@ -221,6 +240,24 @@ def load_model(
         )
     model.requires_grad_(False)
     return model
+
+
+def _checked(
+    tensor: torch.Tensor, expected: torch.Tensor | None, key: str, root: Path
+) -> torch.Tensor:
+    """``tensor`` as read for ``key``, if it has the shape of the model's tensor (a checkpoint
+    is untrusted: a wrong shape is an error here, not a wrong model later) and, where the
+    model's is floating point, a floating dtype too."""
+    if expected is None:
+        return tensor
+    if tuple(tensor.shape) != tuple(expected.shape) or (
+        expected.is_floating_point() and not tensor.is_floating_point()
+    ):
+        raise ValueError(
+            f"load_model: the checkpoint at {root} stores {key} as {tuple(tensor.shape)} "
+            f"{tensor.dtype}; the model's {key} is {tuple(expected.shape)} {expected.dtype}"
+        )
+    return tensor
 
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

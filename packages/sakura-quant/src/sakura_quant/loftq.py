@@ -18,7 +18,12 @@ from sakura.options import check_int, option_error
 from sakura_quant.formats import QuantizedWeight
 from sakura_quant.weights import dequantize_weight, quantize_weight
 
-__all__ = ["check_error_options", "init_lora_from_error", "quantize_with_error_fit"]
+__all__ = [
+    "check_error_options",
+    "check_error_rank",
+    "init_lora_from_error",
+    "quantize_with_error_fit",
+]
 
 
 def check_error_options(error_rank: Any, error_iters: Any, *, owner: str) -> tuple[int, int]:
@@ -31,6 +36,22 @@ def check_error_options(error_rank: Any, error_iters: Any, *, owner: str) -> tup
             "error_iters", error_iters, "1 when error_rank=0 (LoftQ is off)", owner=owner
         )
     return rank, iters
+
+
+def check_error_rank(rank: int, shape: tuple[int, ...], *, name: str, owner: str) -> None:
+    """``error_rank`` for the weight ``name`` of ``shape`` ``(out, in)``: 0 (off) or at most
+    ``min(out, in)``, the largest rank a fit of that weight has; a larger one is an error
+    (it used to be cut down silently, and the adapters then had fewer fitted columns than
+    asked for)."""
+    limit = min(shape) if shape else 0
+    if rank > limit:
+        raise option_error(
+            "error_rank",
+            rank,
+            f"an int in [0, {limit}] for {name} (its weight is {tuple(shape)}: a low-rank fit "
+            f"has rank at most min(out, in) = {limit})",
+            owner=owner,
+        )
 
 
 def _low_rank(residual: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,19 +70,26 @@ def quantize_with_error_fit(
     double_quant: bool,
     rank: int,
     iters: int,
+    name: str = "weight",
+    owner: str = "quantize_with_error_fit",
 ) -> tuple[QuantizedWeight, torch.Tensor, torch.Tensor]:
-    """``(Q(W - B A), A, B)`` after ``iters`` LoftQ rounds; ``A`` is ``(r, in)`` and ``B``
-    ``(out, r)`` in fp32, ``r = min(rank, out, in)``."""
+    """``(Q(W - B A), A, B)`` after ``iters`` LoftQ rounds; ``A`` is ``(rank, in)`` and ``B``
+    ``(out, rank)`` in fp32.  ``rank`` must be in ``[1, min(out, in)]`` (a larger fit does
+    not exist: :func:`check_error_rank`); ``name`` / ``owner`` are what errors cite."""
     if weight.dim() != 2:
         raise ValueError(f"LoftQ needs a 2-D weight, got shape {tuple(weight.shape)}")
-    r = min(rank, *weight.shape)
+    check_error_rank(rank, tuple(weight.shape), name=name, owner=owner)
     w = weight.detach().float()
     residual = w
     for i in range(iters):
         qweight = quantize_weight(
-            residual.to(weight.dtype), format, block_size=block_size, double_quant=double_quant
+            residual.to(weight.dtype),
+            format,
+            block_size=block_size,
+            double_quant=double_quant,
+            name=name,
         )
-        a, b = _low_rank(w - dequantize_weight(qweight, torch.float32), r)
+        a, b = _low_rank(w - dequantize_weight(qweight, torch.float32), rank)
         if i + 1 < iters:
             residual = w - b @ a
     return qweight, a.contiguous(), b.contiguous()

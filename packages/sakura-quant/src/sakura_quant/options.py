@@ -14,6 +14,9 @@ FORMAT_NAMES = ("int8", "nf4", "fp8", "nvfp4")
 _DEFAULT_BLOCK = {"int8": 64, "nf4": 64, "fp8": 32, "nvfp4": 16}
 _FIXED_BLOCK = {"fp8": 32, "nvfp4": 16}
 _DOUBLE_QUANT = ("int8", "nf4")
+MAX_BLOCK_SIZE = 2**31
+"""The largest block size int8 / nf4 take (the kernels index blocks with 64-bit counts; a
+bound keeps every product of sizes far from overflowing)."""
 
 
 def check_format(value: Any, *, owner: str, option: str = "format") -> str:
@@ -23,7 +26,8 @@ def check_format(value: Any, *, owner: str, option: str = "format") -> str:
 
 def check_block_size(fmt: str, value: Any, *, owner: str) -> int:
     """The block size for ``fmt``: ``None`` means the format's default (int8 / nf4: 64);
-    int8 and nf4 take any even integer >= 2; fp8 and nvfp4 have a fixed block (32 / 16)."""
+    int8 and nf4 take any even integer in [2, 2**31]; fp8 and nvfp4 have a fixed block
+    (32 / 16)."""
     if value is None:
         return _DEFAULT_BLOCK[fmt]
     fixed = _FIXED_BLOCK.get(fmt)
@@ -33,9 +37,14 @@ def check_block_size(fmt: str, value: Any, *, owner: str) -> int:
                 "block_size", value, f"None or {fixed} ({fmt} has a fixed block size)", owner=owner
             )
         return fixed
-    check_int("block_size", value, minimum=2, owner=owner)
+    check_int("block_size", value, minimum=2, maximum=MAX_BLOCK_SIZE, owner=owner)
     if value % 2:
-        raise option_error("block_size", value, "an even int >= 2, or None for 64", owner=owner)
+        raise option_error(
+            "block_size",
+            value,
+            f"an even int in [2, {MAX_BLOCK_SIZE}], or None for 64",
+            owner=owner,
+        )
     return int(value)
 
 

@@ -10,8 +10,14 @@ from torch import nn
 
 from sakura.options import check_bool, option_error
 from sakura_quant.formats import QuantizedWeight
+from sakura_quant.formats.checks import check_finite
 from sakura_quant.linear import QuantizedLinear
-from sakura_quant.loftq import check_error_options, init_lora_from_error, quantize_with_error_fit
+from sakura_quant.loftq import (
+    check_error_options,
+    check_error_rank,
+    init_lora_from_error,
+    quantize_with_error_fit,
+)
 from sakura_quant.options import (
     PRECISE_FORMAT,
     check_block_size,
@@ -124,7 +130,9 @@ def quantize_model(
 ) -> dict[str, int]:
     """Quantize the weights of ``model``'s ``nn.Linear`` layers in place, one at a time.
 
-    Each target becomes a :class:`~sakura_quant.QuantizedLinear` (its bias kept). Returns
+    Each target becomes a :class:`~sakura_quant.QuantizedLinear` (its bias kept); a target
+    weight holding NaN or ±Inf is a ``ValueError`` naming it and the count, raised before
+    any layer changes (no format can store them). Returns
     ``{"tensors": count, "kept_precise": count, "bytes_before": ..., "bytes_after": ...,
     "lora_initialized": count}`` (weight bytes only, LoftQ factors not counted).
 
@@ -147,7 +155,8 @@ def quantize_model(
             and their quantized forms are in memory together.
         error_rank: LoftQ (0: off): each weight is stored as ``Q(W - B A)`` with ``B A`` a
             rank-``error_rank`` fit of what quantizing lost, the factors kept in the layer
-            (use the LoRA rank). PEFT LoRA adapters then start at them with
+            (use the LoRA rank), at most ``min(out, in)`` of every target (a larger rank is
+            an error naming the layer). PEFT LoRA adapters then start at them with
             :func:`~sakura_quant.init_lora_from_error`; adapters already on the model when
             it is quantized are started here (counted in ``"lora_initialized"``).
         error_iters: LoftQ rounds (>= 1): alternate quantizing ``W - B A`` and fitting
@@ -170,6 +179,9 @@ def quantize_model(
         raise option_error("model", model, "a torch.nn.Module", owner=_OWNER)
 
     found = find_targets(model, wanted, skipped)
+    for name, module in found:  # before any layer changes: the model stays as it was
+        check_error_rank(rank, tuple(module.weight.shape), name=name, owner=_OWNER)
+        check_finite(module.weight, name=f"{name}.weight")
     if not freeze:
         for name, module in found:
             if module.weight.requires_grad:
@@ -188,7 +200,9 @@ def quantize_model(
         weight = module.weight
         qweight = chosen.get(name)
         spec = (fmt, size, dq) if qweight is None else weight_spec(qweight)
-        quantized = build_layer(weight.detach(), spec, rank, iters, qweight=qweight)
+        quantized = build_layer(
+            weight.detach(), spec, rank, iters, qweight=qweight, name=name, owner=_OWNER
+        )
         quantized.bias = module.bias
         quantized.matmul_dtype = compute
         setattr(parent, attr, quantized)
@@ -211,18 +225,30 @@ def build_layer(
     iters: int,
     *,
     qweight: QuantizedWeight | None = None,
+    name: str = "weight",
+    owner: str = _OWNER,
 ) -> QuantizedLinear:
     """A bias-less :class:`QuantizedLinear` storing ``weight`` as ``spec`` says: with a LoftQ
     fit when ``rank`` is set (a plain ``qweight`` made earlier is then replaced), else
-    ``qweight`` when given (it must be ``weight`` quantized so), else quantized now."""
+    ``qweight`` when given (it must be ``weight`` quantized so), else quantized now.
+    ``name`` (the layer's) and ``owner`` are what errors cite."""
     factors = None
     if rank:
         qweight, error_a, error_b = quantize_with_error_fit(
-            weight, spec[0], block_size=spec[1], double_quant=spec[2], rank=rank, iters=iters
+            weight,
+            spec[0],
+            block_size=spec[1],
+            double_quant=spec[2],
+            rank=rank,
+            iters=iters,
+            name=name,
+            owner=owner,
         )
         factors = (error_a, error_b)
     elif qweight is None:
-        qweight = quantize_weight(weight, spec[0], block_size=spec[1], double_quant=spec[2])
+        qweight = quantize_weight(
+            weight, spec[0], block_size=spec[1], double_quant=spec[2], name=name
+        )
     return QuantizedLinear(qweight, None, error_factors=factors, error_iters=iters)
 
 
@@ -278,11 +304,13 @@ def _choose_precise(
     modules = dict(found)
     measured = []
     for name, module in found:
-        base = quantize_weight(module.weight.detach(), fmt, block_size=size, double_quant=dq)
+        base = quantize_weight(
+            module.weight.detach(), fmt, block_size=size, double_quant=dq, name=name
+        )
         measured.append((relative_error(module.weight, base), name, base.nbytes))
 
     def precise(name: str) -> QuantizedWeight:
         weight = modules[name].weight.detach()
-        return quantize_weight(weight, spec[0], block_size=spec[1], double_quant=spec[2])
+        return quantize_weight(weight, spec[0], block_size=spec[1], double_quant=spec[2], name=name)
 
     return select_precise(measured, share, precise)

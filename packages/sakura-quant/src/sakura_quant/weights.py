@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from sakura_quant.formats import FORMATS, QuantizedWeight, nf4
+from sakura_quant.formats.checks import check_finite
 from sakura_quant.formats.double_quant import compress_scales, decompress_scales
 from sakura_quant.options import check_block_size, check_double_quant, check_format
 
@@ -17,11 +18,17 @@ def quantize_weight(
     *,
     block_size: int | None = None,
     double_quant: bool = False,
+    name: str = "weight",
 ) -> QuantizedWeight:
     """Quantize ``weight`` (any shape, any floating dtype) to ``format``.
 
     ``block_size``: values per scale (``None``: 64 for int8 / nf4; fp8 and nvfp4 use their
     fixed 32 / 16). ``double_quant``: store the block scales of int8 / nf4 in one byte each.
+    ``name``: what errors call the weight (the loaders pass the layer's name).
+
+    A weight holding NaN or ±Inf is refused with a ``ValueError`` that names it and counts
+    them, in every format and on every path (no format can store them; see
+    :func:`~sakura_quant.formats.checks.check_finite`).
     """
     owner = "quantize_weight"
     fmt = check_format(format, owner=owner)
@@ -29,6 +36,7 @@ def quantize_weight(
     dq = check_double_quant(fmt, double_quant, owner=owner)
     if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
         raise TypeError(f"{owner}: weight must be a floating-point tensor, got {weight!r:.80}")
+    check_finite(weight, name=name)
     tensors = FORMATS[fmt].quantize(weight, size)
     if dq:
         tensors.update(compress_scales(tensors["scales"]))

@@ -8,13 +8,23 @@
 //   index  = number of the 15 midpoints strictly below s   (a tie goes to the lower code)
 //   bytes  : even index in the high nibble; an odd count pads with the code of 0.0
 // Dequantize: code[index] * absmax in fp32, then rounded to nearest even for bf16.
+//
+// Every entry point is given the element count of each buffer it reads or writes and checks
+// them (and the block size) before touching any memory: a call whose sizes disagree returns
+// SAKURA_QUANT_BAD_ARGUMENTS and reads nothing.  The sizes come from a model file in the end,
+// so they are never trusted.  Quantize also refuses NaN / Inf input (returns their count):
+// no code can store them, and the torch path refuses them too.
 #include <stdint.h>
+#include <float.h>
 #include <string.h>
 #if defined(__SSSE3__)
 #include <immintrin.h>
 #endif
 
-#define SAKURA_QUANT_ABI 1
+#define SAKURA_QUANT_ABI 2
+#define SAKURA_QUANT_BAD_ARGUMENTS (-1)
+#define SAKURA_QUANT_MAX_BLOCK (((int64_t)1) << 31)
+#define SAKURA_QUANT_MAX_COUNT (((int64_t)1) << 62)
 
 extern "C" int sakura_quant_abi_version(void) { return SAKURA_QUANT_ABI; }
 
@@ -43,6 +53,17 @@ struct BF16 {
 // Values are handled in chunks of CHUNK so the scaling and the midpoint counts run as
 // simple loops over arrays, which the compiler vectorizes.
 #define CHUNK 256
+
+template <typename T>
+static int64_t count_non_finite(const void* x, int64_t n, int threads) {
+    int64_t bad = 0;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : bad)
+    for (int64_t i = 0; i < n; ++i) {
+        const float a = T::get(x, i);
+        bad += !(a <= FLT_MAX && a >= -FLT_MAX);  // NaN fails both comparisons
+    }
+    return bad;
+}
 
 template <typename T>
 static void quantize(const void* x, int64_t n, int64_t block, const float* mid, float* absmax,
@@ -221,21 +242,63 @@ static void dequantize(const uint8_t* data, const float* absmax, int64_t n, int6
     }
 }
 
+// The sizes every call is checked against: counts of elements, not bytes.
+// values_len: the unpacked values (n); packed_len: their codes, two per byte; absmax_len:
+// one scale per block.  The block is even (both values of a byte share a block).
+static bool sizes_ok(int64_t n, int64_t block, int64_t values_len, int64_t packed_len,
+                     int64_t absmax_len, int threads) {
+    if (n < 0 || n > SAKURA_QUANT_MAX_COUNT || threads < 1) return false;
+    if (block < 2 || block > SAKURA_QUANT_MAX_BLOCK || (block & 1)) return false;
+    return values_len == n && packed_len == (n + 1) / 2 && absmax_len == (n + block - 1) / block;
+}
+
+template <typename T>
+static int64_t quantize_checked(const void* x, int64_t x_len, int64_t n, int64_t block,
+                                const float* mid, float* absmax, int64_t absmax_len,
+                                uint8_t* out, int64_t out_len, int threads) {
+    if (!sizes_ok(n, block, x_len, out_len, absmax_len, threads)) return SAKURA_QUANT_BAD_ARGUMENTS;
+    const int64_t bad = count_non_finite<T>(x, n, threads);
+    if (bad) return bad;
+    quantize<T>(x, n, block, mid, absmax, out, threads);
+    return 0;
+}
+
+template <typename Out>
+static int dequantize_checked(const uint8_t* data, int64_t data_len, const float* absmax,
+                              int64_t absmax_len, int64_t n, int64_t block, const float* code,
+                              Out* out, int64_t out_len, int threads) {
+    if (!sizes_ok(n, block, out_len, data_len, absmax_len, threads)) return SAKURA_QUANT_BAD_ARGUMENTS;
+    dequantize<Out>(data, absmax, n, block, code, out, threads);
+    return 0;
+}
+
+// Quantize returns 0, SAKURA_QUANT_BAD_ARGUMENTS, or the (positive) count of NaN / Inf
+// inputs (nothing written then); dequantize returns 0 or SAKURA_QUANT_BAD_ARGUMENTS.
+// x_len / out_len: elements of the values (n); data_len: packed bytes ((n + 1) / 2);
+// absmax_len: blocks ((n + block - 1) / block).
 extern "C" {
-void sakura_nf4_quantize_f32(const float* x, int64_t n, int64_t block, const float* mid,
-                             float* absmax, uint8_t* out, int threads) {
-    quantize<F32>(x, n, block, mid, absmax, out, threads);
+int64_t sakura_nf4_quantize_f32(const float* x, int64_t x_len, int64_t n, int64_t block,
+                                const float* mid, float* absmax, int64_t absmax_len,
+                                uint8_t* out, int64_t out_len, int threads) {
+    return quantize_checked<F32>(x, x_len, n, block, mid, absmax, absmax_len, out, out_len,
+                                 threads);
 }
-void sakura_nf4_quantize_bf16(const uint16_t* x, int64_t n, int64_t block, const float* mid,
-                              float* absmax, uint8_t* out, int threads) {
-    quantize<BF16>(x, n, block, mid, absmax, out, threads);
+int64_t sakura_nf4_quantize_bf16(const uint16_t* x, int64_t x_len, int64_t n, int64_t block,
+                                 const float* mid, float* absmax, int64_t absmax_len,
+                                 uint8_t* out, int64_t out_len, int threads) {
+    return quantize_checked<BF16>(x, x_len, n, block, mid, absmax, absmax_len, out, out_len,
+                                  threads);
 }
-void sakura_nf4_dequantize_f32(const uint8_t* data, const float* absmax, int64_t n,
-                               int64_t block, const float* code, float* out, int threads) {
-    dequantize<float>(data, absmax, n, block, code, out, threads);
+int sakura_nf4_dequantize_f32(const uint8_t* data, int64_t data_len, const float* absmax,
+                              int64_t absmax_len, int64_t n, int64_t block, const float* code,
+                              float* out, int64_t out_len, int threads) {
+    return dequantize_checked<float>(data, data_len, absmax, absmax_len, n, block, code, out,
+                                     out_len, threads);
 }
-void sakura_nf4_dequantize_bf16(const uint8_t* data, const float* absmax, int64_t n,
-                                int64_t block, const float* code, uint16_t* out, int threads) {
-    dequantize<uint16_t>(data, absmax, n, block, code, out, threads);
+int sakura_nf4_dequantize_bf16(const uint8_t* data, int64_t data_len, const float* absmax,
+                               int64_t absmax_len, int64_t n, int64_t block, const float* code,
+                               uint16_t* out, int64_t out_len, int threads) {
+    return dequantize_checked<uint16_t>(data, data_len, absmax, absmax_len, n, block, code, out,
+                                        out_len, threads);
 }
 }

@@ -10,6 +10,10 @@
 //          = scale_code_values[scale_codes[b]] * scale_absmax[b / 256] + *scale_offset
 //   value  = code[nibble] * scale (fp32), then rounded to nearest even for bf16
 //
+// Every entry point is given the element count of each buffer it reads and checks them (and
+// the block size) first: sizes that disagree return SAKURA_QUANT_BAD_ARGUMENTS (-1) and
+// nothing is read or launched.  The sizes come from a model file in the end.
+//
 // sakura_nf4_dequantize_emulate_* run the very same element function on the host, one
 // value after another: the test that holds this file to the CPU path runs them on a
 // machine without a GPU.
@@ -17,7 +21,8 @@
 #include <stdint.h>
 #include <string.h>
 
-#define SAKURA_QUANT_CUDA_ABI 1
+#define SAKURA_QUANT_CUDA_ABI 2
+#define SAKURA_QUANT_BAD_ARGUMENTS (-1)
 #define SCALE_BLOCK 256  // scales per fp32 absmax under double quantization
 
 namespace {
@@ -91,6 +96,20 @@ Scales make_scales(const float* absmax, const uint8_t* codes, const float* code_
                             : Scales{absmax, nullptr, nullptr, nullptr, nullptr};
 }
 
+// The element counts of the buffers against n and block: packed codes (n + 1) / 2, one
+// scale (or scale code) per block, one code_absmax per SCALE_BLOCK of them, n outputs.
+bool sizes_ok(int64_t data_len, const float* absmax, int64_t absmax_len, const uint8_t* codes,
+              int64_t codes_len, const float* code_values, const float* code_absmax,
+              int64_t code_absmax_len, const float* offset, int64_t n, int64_t block,
+              int64_t out_len) {
+    if (n < 0 || n > (((int64_t)1) << 62) || out_len != n || data_len != (n + 1) / 2) return false;
+    if (block < 2 || block > (((int64_t)1) << 31) || (block & 1)) return false;
+    const int64_t blocks = (n + block - 1) / block;
+    if (codes == nullptr) return absmax != nullptr && absmax_len == blocks;
+    return codes_len == blocks && code_values != nullptr && code_absmax != nullptr &&
+           offset != nullptr && code_absmax_len == (blocks + SCALE_BLOCK - 1) / SCALE_BLOCK;
+}
+
 template <typename Out>
 int launch(const uint8_t* data, const float* absmax, const uint8_t* codes,
            const float* code_values, const float* code_absmax, const float* offset, int64_t n,
@@ -129,42 +148,43 @@ int sakura_quant_cuda_probe(void) {
 
 // All pointers are device pointers except where emulated; scale_codes == NULL means the
 // fp32 absmax is used (the other double-quantization pointers may then be NULL too).
-// Returns the cudaError_t of the launch.
-int sakura_nf4_dequantize_cuda_f32(const uint8_t* data, const float* absmax,
-                                   const uint8_t* scale_codes, const float* scale_code_values,
-                                   const float* scale_absmax, const float* scale_offset,
-                                   int64_t n, int64_t block, const float* code, float* out,
-                                   cudaStream_t stream) {
+// *_len are element counts (see sizes_ok).  Returns the cudaError_t of the launch, or
+// SAKURA_QUANT_BAD_ARGUMENTS (nothing launched) when the sizes disagree.
+#define SAKURA_NF4_ARGS(Out)                                                                   \
+    const uint8_t *data, int64_t data_len, const float *absmax, int64_t absmax_len,            \
+        const uint8_t *scale_codes, int64_t scale_codes_len, const float *scale_code_values,   \
+        const float *scale_absmax, int64_t scale_absmax_len, const float *scale_offset,        \
+        int64_t n, int64_t block, const float *code, Out *out, int64_t out_len
+#define SAKURA_NF4_CHECK                                                                        \
+    if (!sizes_ok(data_len, absmax, absmax_len, scale_codes, scale_codes_len,                   \
+                  scale_code_values, scale_absmax, scale_absmax_len, scale_offset, n, block,     \
+                  out_len))                                                                      \
+        return SAKURA_QUANT_BAD_ARGUMENTS;
+
+int sakura_nf4_dequantize_cuda_f32(SAKURA_NF4_ARGS(float), cudaStream_t stream) {
+    SAKURA_NF4_CHECK
     return launch(data, absmax, scale_codes, scale_code_values, scale_absmax, scale_offset, n,
                   block, code, out, stream);
 }
 
-int sakura_nf4_dequantize_cuda_bf16(const uint8_t* data, const float* absmax,
-                                    const uint8_t* scale_codes, const float* scale_code_values,
-                                    const float* scale_absmax, const float* scale_offset,
-                                    int64_t n, int64_t block, const float* code, uint16_t* out,
-                                    cudaStream_t stream) {
+int sakura_nf4_dequantize_cuda_bf16(SAKURA_NF4_ARGS(uint16_t), cudaStream_t stream) {
+    SAKURA_NF4_CHECK
     return launch(data, absmax, scale_codes, scale_code_values, scale_absmax, scale_offset, n,
                   block, code, out, stream);
 }
 
-void sakura_nf4_dequantize_emulate_f32(const uint8_t* data, const float* absmax,
-                                       const uint8_t* scale_codes,
-                                       const float* scale_code_values, const float* scale_absmax,
-                                       const float* scale_offset, int64_t n, int64_t block,
-                                       const float* code, float* out) {
+int sakura_nf4_dequantize_emulate_f32(SAKURA_NF4_ARGS(float)) {
+    SAKURA_NF4_CHECK
     emulate(data, absmax, scale_codes, scale_code_values, scale_absmax, scale_offset, n, block,
             code, out);
+    return 0;
 }
 
-void sakura_nf4_dequantize_emulate_bf16(const uint8_t* data, const float* absmax,
-                                        const uint8_t* scale_codes,
-                                        const float* scale_code_values,
-                                        const float* scale_absmax, const float* scale_offset,
-                                        int64_t n, int64_t block, const float* code,
-                                        uint16_t* out) {
+int sakura_nf4_dequantize_emulate_bf16(SAKURA_NF4_ARGS(uint16_t)) {
+    SAKURA_NF4_CHECK
     emulate(data, absmax, scale_codes, scale_code_values, scale_absmax, scale_offset, n, block,
             code, out);
+    return 0;
 }
 
 }  // extern "C"

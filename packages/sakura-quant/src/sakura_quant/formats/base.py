@@ -42,12 +42,21 @@ class WeightFormat:
 
     ``fixed_block_size`` is set by the formats whose block size is part of the format
     (FP8: 32, NVFP4: 16); the others take any even block size of at least 2.
+
+    The stored layout, which :func:`sakura_quant.formats.checks.check_quantized_weight`
+    holds every weight to before a kernel reads it: ``"data"`` holds one ``data_dtype``
+    element per ``values_per_code`` values, ``"scales"`` one ``scale_dtype`` per block, and
+    each name in ``scalar_tensors`` one fp32 value.
     """
 
     name: str = ""
     default_block_size: int = 64
     fixed_block_size: int | None = None
     supports_double_quant: bool = False
+    data_dtype: torch.dtype = torch.uint8
+    values_per_code: int = 1
+    scale_dtype: torch.dtype = torch.float32
+    scalar_tensors: tuple[str, ...] = ()
 
     def quantize(self, weight: torch.Tensor, block_size: int) -> dict[str, torch.Tensor]:
         """The stored tensors of ``weight`` (``"data"``, ``"scales"``, ...)."""

@@ -60,13 +60,29 @@ def nearest_code(values: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
 
 
 def compress_scales(scales: torch.Tensor) -> dict[str, torch.Tensor]:
-    """``scales`` (fp32, one per block) as one-byte codes, their absmax and the offset."""
+    """``scales`` (fp32, one per block, finite) as one-byte codes, their absmax and the
+    offset.
+
+    Scales near fp32's largest value stay finite: their mean is taken in float64 where the
+    fp32 sum would overflow (elsewhere it is bitsandbytes' fp32 mean, bit for bit), and a
+    code whose decoded scale (``code * absmax + offset`` in fp32) would round past fp32's
+    largest value is replaced by the next lower one.
+    """
     offset = scales.mean()
+    if not bool(torch.isfinite(offset)):
+        offset = scales.double().mean().float()
     centred = scales - offset
     blocks = as_blocks(centred, SCALE_BLOCK_SIZE)
     absmax = block_absmax(blocks)
     scaled = (blocks / absmax.unsqueeze(1)).clamp_(-1.0, 1.0).nan_to_num_(0.0)
-    index = nearest_code(scaled.view(-1)[: scales.numel()], _code(scales.device))
+    code = _code(scales.device)
+    index = nearest_code(scaled.view(-1)[: scales.numel()], code)
+    for _ in range(2):  # one step down is enough; a second guards the rounding of the product
+        decoded = scale_blocks(code[index], absmax, index.numel(), SCALE_BLOCK_SIZE) + offset
+        overflow = ~torch.isfinite(decoded)
+        if not bool(overflow.any()):
+            break
+        index = torch.where(overflow, (index - 1).clamp_(min=0), index)
     return {
         "scales": index.to(torch.uint8),
         "scales_scale": absmax,

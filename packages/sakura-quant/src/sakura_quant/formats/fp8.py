@@ -18,6 +18,7 @@ class FP8(WeightFormat):
     name = "fp8"
     default_block_size = 32
     fixed_block_size = 32
+    data_dtype = torch.float8_e4m3fn
 
     def quantize(self, weight: torch.Tensor, block_size: int) -> dict[str, torch.Tensor]:
         numel = weight.numel()

@@ -15,6 +15,7 @@ class Int8(WeightFormat):
     name = "int8"
     default_block_size = 64
     supports_double_quant = True
+    data_dtype = torch.int8
 
     def quantize(self, weight: torch.Tensor, block_size: int) -> dict[str, torch.Tensor]:
         numel = weight.numel()

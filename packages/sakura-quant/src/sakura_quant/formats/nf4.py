@@ -76,6 +76,8 @@ class NF4(WeightFormat):
     name = "nf4"
     default_block_size = 64
     supports_double_quant = True
+    data_dtype = torch.uint8
+    values_per_code = 2
 
     def quantize(self, weight: torch.Tensor, block_size: int) -> dict[str, torch.Tensor]:
         fast = _quantize_cpu(weight, block_size)
@@ -119,6 +121,15 @@ def _threads() -> int:
     return max(1, torch.get_num_threads())
 
 
+def _sizes_error(what: str, numel: int, block_size: int, **lengths: int) -> ValueError:
+    given = ", ".join(f"{k}={v}" for k, v in lengths.items())
+    return ValueError(
+        f"sakura-quant: the {what} refused inconsistent sizes (numel={numel}, "
+        f"block_size={block_size}, {given}): expected (numel + 1) // 2 packed bytes, "
+        "one scale per block and an even block_size in [2, 2**31]"
+    )
+
+
 def _quantize_cpu(weight: torch.Tensor, block_size: int) -> dict[str, torch.Tensor] | None:
     suffix = _KERNEL_DTYPES.get(weight.dtype)
     if suffix is None or weight.device.type != "cpu" or weight.requires_grad:
@@ -132,15 +143,22 @@ def _quantize_cpu(weight: torch.Tensor, block_size: int) -> dict[str, torch.Tens
     out = torch.empty((numel + 1) // 2, dtype=torch.uint8)
     mid = _midpoints(torch.device("cpu"))
     fn = getattr(lib, f"sakura_nf4_quantize_{suffix}")
-    fn(
+    status = fn(
         x.data_ptr(),
+        numel,
         numel,
         block_size,
         mid.data_ptr(),
         absmax.data_ptr(),
+        absmax.numel(),
         out.data_ptr(),
+        out.numel(),
         _threads(),
     )
+    if status == _kernel.BAD_ARGUMENTS:
+        raise _sizes_error("C++ NF4 quantize kernel", numel, block_size)
+    if status:  # quantize_weight refuses them first; the kernel does too
+        raise ValueError(f"cannot quantize a weight holding {status} NaN or Inf values")
     return {"data": out, "scales": absmax}
 
 
@@ -148,7 +166,13 @@ def _dequantize_cpu(
     data: torch.Tensor, scales: torch.Tensor, numel: int, block_size: int, dtype: torch.dtype
 ) -> torch.Tensor | None:
     suffix = _KERNEL_DTYPES.get(dtype)
-    if suffix is None or data.device.type != "cpu" or scales.dtype != torch.float32:
+    if (
+        suffix is None
+        or data.device.type != "cpu"
+        or scales.device.type != "cpu"
+        or data.dtype != torch.uint8
+        or scales.dtype != torch.float32
+    ):
         return None
     lib = _kernel.LIBRARY.load()
     if lib is None:
@@ -158,15 +182,22 @@ def _dequantize_cpu(
     out = torch.empty(numel, dtype=dtype)
     code = _code(torch.device("cpu"))
     fn = getattr(lib, f"sakura_nf4_dequantize_{suffix}")
-    fn(
+    status = fn(
         data.data_ptr(),
+        data.numel(),
         scales.data_ptr(),
+        scales.numel(),
         numel,
         block_size,
         code.data_ptr(),
         out.data_ptr(),
+        out.numel(),
         _threads(),
     )
+    if status:
+        raise _sizes_error(
+            "C++ NF4 dequantize kernel", numel, block_size, data=data.numel(), scales=scales.numel()
+        )
     return out
 
 
@@ -187,7 +218,7 @@ def dequantize_cuda(
     device = data.device
     if suffix is None or device.type != "cuda" or any(t.device != device for t in tensors.values()):
         return None
-    if scales.dtype not in (torch.float32, torch.uint8):
+    if data.dtype != torch.uint8 or scales.dtype not in (torch.float32, torch.uint8):
         return None
     lib = _kernel.CUDA_LIBRARY.load()
     if lib is None:
@@ -196,6 +227,10 @@ def dequantize_cuda(
     with torch.cuda.device(device):
         stream = torch.cuda.current_stream(device).cuda_stream
         status = getattr(lib, f"sakura_nf4_dequantize_cuda_{suffix}")(*args, stream)
+    if status == _kernel.BAD_ARGUMENTS:
+        raise _sizes_error(
+            "CUDA NF4 kernel", numel, block_size, **{k: t.numel() for k, t in tensors.items()}
+        )
     if status != 0:
         raise RuntimeError(
             f"sakura-quant: the CUDA NF4 kernel failed to launch (cudaError {status})"
@@ -211,20 +246,47 @@ def kernel_arguments(
     the kernel has run)."""
     device = tensors["data"].device
     data, scales = tensors["data"].contiguous(), tensors["scales"].contiguous()
-    parts: list[torch.Tensor | None]
-    if scales.dtype == torch.uint8:  # double-quantized: absmax, then codes, map, scale, offset
-        parts = [
-            None,
-            scales,
-            double_quant._code(device),
-            tensors["scales_scale"].float().contiguous(),
-            tensors["scales_offset"].float().reshape(1).contiguous(),
-        ]
+    absmax: torch.Tensor | None = None
+    codes: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    scale_absmax: torch.Tensor | None = None
+    offset: torch.Tensor | None = None
+    if scales.dtype == torch.uint8:  # double-quantized: codes, map, their absmax, offset
+        codes = scales
+        values = double_quant._code(device)
+        scale_absmax = tensors["scales_scale"].float().contiguous()
+        offset = tensors["scales_offset"].float().reshape(-1).contiguous()
+        if offset.numel() != 1:
+            raise ValueError(f"scales_offset holds {offset.numel()} values, expected 1")
     else:
-        parts = [scales, None, None, None, None]
+        absmax = scales.float().contiguous()
     out = torch.empty(numel, dtype=dtype, device=device)
     code = _code(device)
-    pointers = [None if t is None else t.data_ptr() for t in parts]
-    args = [data.data_ptr(), *pointers, numel, block_size, code.data_ptr(), out.data_ptr()]
-    alive = [t for t in (data, *parts, code, out) if t is not None]
+
+    def ptr(t: torch.Tensor | None) -> int | None:
+        return None if t is None else t.data_ptr()
+
+    def length(t: torch.Tensor | None) -> int:
+        return 0 if t is None else t.numel()
+
+    args = [
+        data.data_ptr(),
+        data.numel(),
+        ptr(absmax),
+        length(absmax),
+        ptr(codes),
+        length(codes),
+        ptr(values),
+        ptr(scale_absmax),
+        length(scale_absmax),
+        ptr(offset),
+        numel,
+        block_size,
+        code.data_ptr(),
+        out.data_ptr(),
+        out.numel(),
+    ]
+    alive = [
+        t for t in (data, absmax, codes, values, scale_absmax, offset, code, out) if t is not None
+    ]
     return args, out, alive

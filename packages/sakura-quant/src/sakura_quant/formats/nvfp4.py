@@ -57,6 +57,10 @@ class NVFP4(WeightFormat):
     name = "nvfp4"
     default_block_size = 16
     fixed_block_size = 16
+    data_dtype = torch.uint8
+    values_per_code = 2
+    scale_dtype = torch.float8_e4m3fn
+    scalar_tensors = ("global_scale",)
 
     def quantize(self, weight: torch.Tensor, block_size: int) -> dict[str, torch.Tensor]:
         numel = weight.numel()

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from sakura_quant.formats import QuantizedWeight
+from sakura_quant.formats.checks import check_quantized_weight
 from sakura_quant.linear import QuantizedLinear
 
 __all__ = ["METADATA_KEY", "install_skeletons", "layout_metadata", "read_layout"]
@@ -73,7 +74,17 @@ def read_layout(files: Iterable[str | Path]) -> tuple[dict[str, Any], dict[str, 
         with safe_open(str(file), framework="pt") as handle:
             meta = (handle.metadata() or {}).get(METADATA_KEY)
             if meta is not None and layers is None:
-                entry = json.loads(meta)
+                try:
+                    entry = json.loads(meta)
+                except ValueError as exc:
+                    raise ValueError(
+                        f"{file}: the sakura_quant layout is not JSON ({exc})"
+                    ) from None
+                if not isinstance(entry, dict) or not isinstance(entry.get("layers"), dict):
+                    raise ValueError(
+                        f"{file}: the sakura_quant layout must be an object with 'version' "
+                        f"and 'layers' (an object), got {meta[:200]!r}"
+                    )
                 if entry.get("version") != _LAYOUT_VERSION:
                     raise ValueError(
                         f"{file}: sakura_quant layout version {entry.get('version')!r}, this "
@@ -94,7 +105,7 @@ def read_layout(files: Iterable[str | Path]) -> tuple[dict[str, Any], dict[str, 
 
 def _meta_tensor(headers: dict[str, Any], key: str) -> torch.Tensor:
     if key not in headers:
-        raise KeyError(f"the quantized checkpoint lacks {key}")
+        raise ValueError(f"the quantized checkpoint lacks {key}")
     shape, dtype = headers[key]
     if dtype is None:
         raise ValueError(
@@ -103,28 +114,73 @@ def _meta_tensor(headers: dict[str, Any], key: str) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device="meta")
 
 
+_ENTRY_KEYS = {"format", "block_size", "dtype", "tensors", "error_iters"}
+
+
+def _entry_field(name: str, entry: dict[str, Any], key: str, ok: bool, accepted: str) -> None:
+    if not ok:
+        raise ValueError(
+            f"the quantized checkpoint's layout gives {name} {key}={entry.get(key)!r}; "
+            f"accepted: {accepted}"
+        )
+
+
 def skeleton(
     name: str, entry: dict[str, Any], headers: dict[str, Any], linear: nn.Linear
 ) -> QuantizedLinear:
-    """The ``QuantizedLinear`` that ``entry`` describes, its buffers on the meta device."""
-    compute = _COMPUTE_DTYPES[entry["dtype"]]
-    tensors = {t: _meta_tensor(headers, f"{name}.{_buffer(t)}") for t in entry["tensors"]}
+    """The ``QuantizedLinear`` that ``entry`` describes, its buffers on the meta device.
+
+    The entry and the header's shapes and dtypes are untrusted: each field is checked, and
+    the stored tensors against what the format, the layer's shape and the block size
+    imply (:func:`~sakura_quant.formats.checks.check_quantized_weight`), before any layer
+    exists; a mismatch is a ``ValueError`` naming the layer and the sizes.
+    """
+    if not isinstance(entry, dict) or set(entry) != _ENTRY_KEYS:
+        raise ValueError(
+            f"the quantized checkpoint's layout entry for {name} must be an object with the "
+            f"keys {sorted(_ENTRY_KEYS)}, got {entry!r:.200}"
+        )
+    _entry_field(
+        name, entry, "dtype", entry["dtype"] in _COMPUTE_DTYPES, str(list(_COMPUTE_DTYPES))
+    )
+    names = entry["tensors"]
+    _entry_field(
+        name,
+        entry,
+        "tensors",
+        isinstance(names, list) and all(isinstance(t, str) for t in names),
+        "a list of tensor names",
+    )
+    for key in ("block_size", "error_iters"):
+        value = entry[key]
+        _entry_field(
+            name,
+            entry,
+            key,
+            isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+            "an int >= 1",
+        )
+    tensors = {t: _meta_tensor(headers, f"{name}.{_buffer(t)}") for t in names}
     qweight = QuantizedWeight(
         format=entry["format"],
         shape=(linear.out_features, linear.in_features),
-        dtype=compute,
-        block_size=int(entry["block_size"]),
+        dtype=_COMPUTE_DTYPES[entry["dtype"]],
+        block_size=entry["block_size"],
         tensors=tensors,
     )
+    check_quantized_weight(qweight, name=name)
     factors = None
     if f"{name}.error_a" in headers:
         factors = (
             _meta_tensor(headers, f"{name}.error_a"),
             _meta_tensor(headers, f"{name}.error_b"),
         )
-    layer = QuantizedLinear(
-        qweight, None, error_factors=factors, error_iters=int(entry["error_iters"])
-    )
+    try:
+        layer = QuantizedLinear(
+            qweight, None, error_factors=factors, error_iters=entry["error_iters"]
+        )
+    except ValueError as exc:
+        raise ValueError(f"the quantized checkpoint's {name}: {exc}") from None
     layer.bias = linear.bias
     return layer
 
@@ -132,8 +188,18 @@ def skeleton(
 def install_skeletons(model: nn.Module, files: Iterable[str | Path]) -> list[str]:
     """Replace every layer the checkpoint stores quantized by its skeleton; returns the names."""
     layers, headers = read_layout(files)
+    if not isinstance(layers, dict):
+        raise ValueError(
+            f"the quantized checkpoint's layout 'layers' is not an object: {layers!r:.200}"
+        )
     for name, entry in layers.items():
-        linear = model.get_submodule(name)
+        try:
+            linear = model.get_submodule(name)
+        except AttributeError:
+            raise ValueError(
+                f"the quantized checkpoint stores {name!r} as a quantized Linear, but the model "
+                "has no such module"
+            ) from None
         if not isinstance(linear, nn.Linear):
             raise ValueError(
                 f"the quantized checkpoint stores {name} as a quantized Linear, but the model's "

@@ -33,9 +33,11 @@ from transformers.quantizers.quantizers_utils import should_convert_module
 
 from sakura.options import option_error
 from sakura_quant.formats import QuantizedWeight
+from sakura_quant.formats.checks import check_quantized_weight
 from sakura_quant.hf.config import SakuraQuantConfig
 from sakura_quant.hf.layout import install_skeletons, layout_metadata
 from sakura_quant.linear import QuantizedLinear
+from sakura_quant.loftq import check_error_rank
 from sakura_quant.options import check_matmul_dtype
 from sakura_quant.quantize import (
     build_layer,
@@ -47,6 +49,8 @@ from sakura_quant.quantize import (
 from sakura_quant.weights import quantize_weight
 
 __all__ = ["QuantizeOnLoad", "SakuraHfQuantizer"]
+
+_OWNER = "SakuraQuantConfig"
 
 
 @dataclass
@@ -122,6 +126,10 @@ class SakuraHfQuantizer(HfQuantizer):
                     owner="SakuraQuantConfig",
                 )
         self.targets = {name for name in found if should_convert_module(name, kept)}
+        modules = dict(model.named_modules())
+        for name in sorted(self.targets):  # before any weight loads
+            shape = tuple(modules[name].weight.shape)
+            check_error_rank(config.error_rank, shape, name=name, owner=_OWNER)
 
     @staticmethod
     def _never_quantized(model: nn.Module) -> list[str]:
@@ -141,19 +149,32 @@ class SakuraHfQuantizer(HfQuantizer):
 
     def quantize_layer(self, model: nn.Module, name: str, weight: torch.Tensor) -> QuantizedLinear:
         """Quantize ``weight``, the full-precision weight of ``model``'s Linear ``name``, and put
-        the ``QuantizedLinear`` in its place (its bias, loaded or still to load, kept)."""
+        the ``QuantizedLinear`` in its place (its bias, loaded or still to load, kept).
+
+        A ``ValueError`` raised here (a non-finite weight, a wrong shape) is caught by
+        transformers, shown in its load report, and raised after the report as its
+        ``RuntimeError`` ("issues during automatic conversion").
+        """
         config = self.quantization_config
         linear = model.get_submodule(name)
         if isinstance(linear, QuantizedLinear) or not isinstance(linear, nn.Linear):
             raise TypeError(f"SakuraHfQuantizer: {name} is a {type(linear).__name__}, not a Linear")
+        if tuple(weight.shape) != tuple(linear.weight.shape) or not weight.is_floating_point():
+            raise ValueError(
+                f"the checkpoint stores {name}.weight as {tuple(weight.shape)} {weight.dtype}; "
+                f"the model's is {tuple(linear.weight.shape)} {linear.weight.dtype}"
+            )
         spec = (config.format, config.block_size, config.double_quant)
         rank, iters = config.error_rank, config.error_iters
         base: QuantizedWeight | None = None
+        key = f"{name}.weight"
         if config.keep_precise:
-            base = quantize_weight(weight, spec[0], block_size=spec[1], double_quant=spec[2])
-            precise = build_layer(weight, precise_spec(*spec), rank, iters)
+            base = quantize_weight(
+                weight, spec[0], block_size=spec[1], double_quant=spec[2], name=key
+            )
+            precise = build_layer(weight, precise_spec(*spec), rank, iters, name=key, owner=_OWNER)
             self._candidates[name] = _Candidate(relative_error(weight, base), base.nbytes, precise)
-        layer = build_layer(weight, spec, rank, iters, qweight=base)
+        layer = build_layer(weight, spec, rank, iters, qweight=base, name=key, owner=_OWNER)
         layer.bias = linear.bias
         _mark_loaded(layer)
         _replace(model, name, layer)
@@ -178,8 +199,11 @@ class SakuraHfQuantizer(HfQuantizer):
         compute = check_matmul_dtype(
             self.quantization_config.matmul_dtype, owner="SakuraQuantConfig"
         )
-        for module in model.modules():
+        for name, module in model.named_modules():
             if isinstance(module, QuantizedLinear):  # loaded now, or reloaded quantized
+                # What the loader put in the buffers, checked again (the skeleton was checked
+                # against the headers; this holds the tensors themselves to the layout).
+                check_quantized_weight(module.quantized_weight(), name=name)
                 module.matmul_dtype = compute
         return model
 
