@@ -84,6 +84,28 @@ def test_the_kernel_arithmetic_equals_the_torch_path(
     assert torch.equal(_bits(out), _bits(reference))
 
 
+# Indexes into kernel_arguments' list: data_len, absmax_len, scale_codes_len,
+# scale_absmax_len, block, out_len.
+_LENGTHS = {"data": 1, "absmax": 3, "codes": 5, "code_absmax": 8, "block": 11, "out": 14}
+
+
+@pytest.mark.parametrize(
+    ("dq", "field", "value"),
+    [(False, "data", 1), (True, "data", 4096), (False, "absmax", 1), (True, "codes", 1),
+     (True, "code_absmax", 0), (False, "block", 0), (True, "block", 63), (False, "out", 16)],
+)  # fmt: skip
+def test_the_kernel_refuses_sizes_that_disagree(
+    built: tuple[Path, ctypes.CDLL], dq: bool, field: str, value: int
+) -> None:
+    _, lib = built
+    q = quantize_weight(_weight((64, 520), torch.float32), "nf4", double_quant=dq)
+    args, out, _alive = kernel_arguments(q.tensors, q.numel, 64, torch.float32)
+    out.fill_(7.0)
+    args[_LENGTHS[field]] = value
+    assert lib.sakura_nf4_dequantize_emulate_f32(*args) == _kernel.BAD_ARGUMENTS
+    assert torch.all(out == 7.0)  # nothing read or written
+
+
 def test_without_a_device_the_cuda_path_steps_aside() -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has a CUDA device")
