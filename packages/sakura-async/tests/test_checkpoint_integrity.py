@@ -1,5 +1,6 @@
-"""What makes a checkpoint loadable: a protected manifest, NaN never the best, and readers
-that never miss a checkpoint while a writer replaces it."""
+"""What makes a checkpoint loadable: a protected manifest, NaN never the best, readers
+that never miss a checkpoint while a writer replaces it, and retention that never deletes
+the newest checkpoint that verifies."""
 
 from __future__ import annotations
 
@@ -15,7 +16,13 @@ import torch
 
 from sakura import OnEpochEnd, SakuraRuntime
 from sakura_async import AsyncCheckpoint
-from sakura_async.checkpoint import find_checkpoints, load_best, load_latest, write_checkpoint
+from sakura_async.checkpoint import (
+    find_checkpoints,
+    load_best,
+    load_latest,
+    store,
+    write_checkpoint,
+)
 from sakura_async.checkpoint.store import MANIFEST, manifest_digest
 
 # --- every="best" and NaN -----------------------------------------------------------------
@@ -204,3 +211,50 @@ def test_a_damaged_checkpoint_is_warned_about_once_not_at_every_listing(
         load_latest(tmp_path)
     warned = [r for r in caplog.records if paths[0] in r.getMessage()]
     assert len(warned) == 1 and "no manifest.json" in warned[0].getMessage()
+
+
+# --- retention counts only verified checkpoints -------------------------------------------
+
+
+class RottingDisk:
+    """A file that silently flips one bit of every chunk it stores (bit rot between the
+    write and retention): the bytes on disk no longer match the hash of what was written."""
+
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+
+    def write(self, data: Any) -> int:
+        stored = bytearray(data)
+        stored[len(stored) // 2] ^= 0x01
+        return int(self._raw.write(stored))
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+
+def test_retention_never_deletes_the_newest_verified_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = str(tmp_path)
+    state = lambda step: {"w": torch.full((64,), float(step))}  # noqa: E731
+    write_checkpoint(root, state(1), step=1, keep=2)
+    real = store.write_state
+    monkeypatch.setattr(store, "write_state", lambda t, raw, *a: real(t, RottingDisk(raw), *a))
+    with caplog.at_level(logging.WARNING, logger="sakura.async"):
+        write_checkpoint(root, state(2), step=2, keep=2)
+        write_checkpoint(root, state(3), step=3, keep=2)  # the two newest are both rotten
+    assert [c.step for c in find_checkpoints(root)] == [1, 2, 3]  # the intact one was kept
+    assert [c.step for c in find_checkpoints(root, verify=True)] == [1]
+    assert any("does not match its sha256" in r.getMessage() for r in caplog.records)
+    latest = load_latest(root)
+    assert latest is not None and latest.step == 1
+    assert torch.equal(latest.state["w"], state(1)["w"])
+
+    monkeypatch.setattr(store, "write_state", real)  # the disk is healthy again
+    write_checkpoint(root, state(4), step=4, keep=2)
+    # Two verified (4 and 1): the rotten ones between them are neither counted nor deleted.
+    assert [c.step for c in find_checkpoints(root)] == [1, 2, 3, 4]
+    write_checkpoint(root, state(5), step=5, keep=2)
+    # Once older than the oldest kept checkpoint, intact or rotten, they go.
+    assert [c.step for c in find_checkpoints(root)] == [4, 5]
+    assert load_latest(root).step == 5  # type: ignore[union-attr]
