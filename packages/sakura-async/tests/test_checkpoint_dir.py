@@ -5,7 +5,10 @@ option and the OS error, and the last good checkpoint stays loadable."""
 from __future__ import annotations
 
 import errno
+import json
 import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -18,6 +21,7 @@ from sakura.options import OptionError
 from sakura.testing import RecordingService
 from sakura_async import AsyncCheckpoint, load_latest
 from sakura_async.checkpoint import store
+from sakura_async.checkpoint.formats import write_state
 from sakura_async.errors import CheckpointWriteError
 
 
@@ -125,3 +129,71 @@ def test_use_output_dir_gives_the_default_and_an_explicit_dir_wins(tmp_path: Pat
         explicit.use_output_dir(3)  # type: ignore[arg-type]
     with pytest.raises(OptionError, match=r"AsyncCheckpoint.attach: trainer=.* is not accepted"):
         explicit.attach(object())
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+@pytest.mark.parametrize(
+    ("fmt", "compress"),
+    [("torch", None), ("lightning", None), ("torch", 3), ("safetensors", None), ("safetensors", 3)],
+)
+def test_every_format_raises_the_os_error_of_a_full_device(fmt: str, compress: Any) -> None:
+    """/dev/full fails every write with ENOSPC; torch.save would report it as its own
+    "unexpected pos" RuntimeError, with the disk's error only in its context."""
+    tree = {"w": torch.randn(1 << 19, generator=torch.Generator().manual_seed(0))}  # 2 MiB
+    with open("/dev/full", "wb", buffering=0) as device, pytest.raises(OSError) as e:
+        write_state(tree, device, fmt, compress)
+    assert e.value.errno == errno.ENOSPC
+
+
+FILE_SIZE_LIMITED = """
+import json, resource, signal, sys
+import torch
+from sakura import OnEpochEnd, SakuraRuntime
+from sakura_async import AsyncCheckpoint
+from sakura_async.errors import CheckpointWriteError
+
+state = {"w": torch.arange(4.0)}
+rt = SakuraRuntime()
+rt.install(AsyncCheckpoint(sys.argv[1], every=1, keep=1, dispatcher="thread",
+                           state_provider=lambda: state))
+rt.start()
+rt.emit(OnEpochEnd, epoch=0, step=1)
+rt.services[0].drain()
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+state["w"] = torch.randn(1 << 19)  # 2 MiB: more than the file may grow
+rt.emit(OnEpochEnd, epoch=1, step=2)
+try:
+    rt.close()
+except CheckpointWriteError as exc:
+    cause = exc.__cause__
+    print(json.dumps({"type": type(cause).__name__, "errno": getattr(cause, "errno", None),
+                      "message": str(exc)}))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="RLIMIT_FSIZE and SIGXFSZ are POSIX")
+def test_a_real_write_limit_in_the_default_format_names_dir_and_the_os_error(
+    tmp_path: Path,
+) -> None:
+    """A real failing write (the kernel refuses to grow the file past RLIMIT_FSIZE: EFBIG,
+    the same path as ENOSPC), in a subprocess so the limit binds nothing else."""
+    root = tmp_path / "ckpt"
+    done = subprocess.run(
+        [sys.executable, "-c", FILE_SIZE_LIMITED, str(root)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    failure = json.loads(done.stdout.strip().splitlines()[-1])
+    assert failure["type"] == "OSError" and failure["errno"] == errno.EFBIG
+    assert (
+        f"AsyncCheckpoint: dir={str(root)!r}: writing the checkpoint of step 2"
+        in (failure["message"])
+    )
+    assert "File too large" in failure["message"]
+    latest = load_latest(root)
+    assert latest is not None and latest.step == 1
+    assert torch.equal(latest.state["w"], torch.arange(4.0))
+    assert [p for p in os.listdir(root) if p.startswith(".")] == []  # nothing half-made
