@@ -135,7 +135,13 @@ def test_hookspec_docstrings_are_generated_from_the_event_classes() -> None:
 def test_specific_fields_are_the_dataclass_fields_beyond_the_common_ones() -> None:
     from sakura.events import OnOptimizerStep, OnTrainBegin
 
-    assert specific_fields(OnTrainBegin) == ("model", "optimizer", "train_loader", "trainer")
+    assert specific_fields(OnTrainBegin) == (
+        "model",
+        "optimizer",
+        "train_loader",
+        "trainer",
+        "accumulation_steps",
+    )
     assert specific_fields(OnOptimizerStep) == ("model", "optimizer", "skipped")
     assert specific_fields(Event) == ()
 
@@ -152,6 +158,7 @@ class OnTrainBeginWithExtra(Event):
     optimizer: Any = None
     train_loader: Any = None
     trainer: Any = None
+    accumulation_steps: int | None = None
     scheduler: Any = None
 
 
@@ -193,8 +200,9 @@ def test_checkers_report_a_field_dropped_from_the_docs() -> None:
     )
     assert drifted != hooks_text
     assert hooks_md_drift(drifted, EVENT_TYPES) == [
-        "hooks.md: on_train_begin fields ['model', 'optimizer', 'train_loader'] != "
-        "['model', 'optimizer', 'train_loader', 'trainer']"
+        "hooks.md: on_train_begin fields "
+        "['model', 'optimizer', 'train_loader', 'accumulation_steps'] != "
+        "['model', 'optimizer', 'train_loader', 'trainer', 'accumulation_steps']"
     ]
 
 

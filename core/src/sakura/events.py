@@ -172,13 +172,17 @@ class OnTrainBegin(Event):
     """Training starts; the model and optimizer are ready.  ``trainer`` is the framework
     object driving the loop when there is one: the ``lightning.Trainer``, the
     ``transformers.Trainer`` (``SakuraTrainer``), or its ``TrainerState`` under the stock
-    Trainer (a callback is not given the Trainer itself)."""
+    Trainer (a callback is not given the Trainer itself).  ``accumulation_steps``: the
+    backward passes per optimizer step the loop is configured for (Lightning's
+    ``accumulate_grad_batches``, the Trainer's ``gradient_accumulation_steps``), so a
+    service need not ask the user to repeat it; None when the loop did not say."""
 
     hook: ClassVar[str] = "on_train_begin"
     model: Any = None
     optimizer: Any = None
     train_loader: Any = None
     trainer: Any = None
+    accumulation_steps: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

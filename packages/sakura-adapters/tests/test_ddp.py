@@ -208,6 +208,19 @@ def test_bad_rank_and_world_size(kwargs: dict[str, Any], message: str) -> None:
         DDPAdapter("runtime")  # type: ignore[arg-type]
 
 
+def test_on_train_begin_publishes_the_accumulation_steps() -> None:
+    from sakura import OnTrainBegin
+
+    rec = RecordingService()
+    with SakuraRuntime([rec], strict=True) as rt:
+        adapter = DDPAdapter(rt)
+        adapter.on_train_begin(make_model(), None, None)
+        adapter.on_train_begin(make_model(), None, None, accumulation_steps=4)
+        with pytest.raises(OptionError, match=r"on_train_begin: accumulation_steps=0 "):
+            adapter.on_train_begin(make_model(), None, None, accumulation_steps=0)
+    assert [e.accumulation_steps for e in rec.of(OnTrainBegin)] == [None, 4]
+
+
 class RankFile(Service):
     """Writes the events it received, with their rank, to a per-rank JSON file."""
 

@@ -458,6 +458,7 @@ def test_stock_trainer_with_event_services_only(tmp_path, train_data):
     assert names[:4] == ["OnSetup", "OnFitBegin", "OnTrainBegin", "OnEpochBegin"]
     assert names[-2:] == ["OnTrainEnd", "OnFitEnd"]
     assert rec.of(OnTrainBegin)[0].trainer is trainer.state  # a callback is not given more
+    assert rec.of(OnTrainBegin)[0].accumulation_steps == 2  # the Trainer's setting, published
     first_step = names.index("OnTrainStepBegin")
     assert names[first_step : first_step + 6] == [
         "OnTrainStepBegin",

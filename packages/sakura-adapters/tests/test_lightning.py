@@ -138,6 +138,7 @@ def test_fit_emits_the_exact_event_sequence(tmp_path: Path) -> None:
     assert set(epoch_end.metrics) >= {"train_loss", "val_loss"}
     assert isinstance(rec.of(sakura.OnTrainBegin)[0].optimizer, torch.optim.SGD)
     assert rec.of(sakura.OnTrainBegin)[0].trainer is fitting
+    assert rec.of(sakura.OnTrainBegin)[0].accumulation_steps == 1  # accumulate_grad_batches
     assert not any(e.skipped for e in rec.of(OnOptimizerStep))
     assert rec.of(sakura.OnSaveCheckpoint)[0].checkpoint["sakura"] == {}
     assert float(rec.of(sakura.OnTrainStepEnd)[0].loss) > 0

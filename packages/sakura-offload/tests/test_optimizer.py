@@ -181,6 +181,24 @@ def test_extra_backward_raises_with_the_default() -> None:
     loss_of(model, batches(1)[0]).backward()  # step() reset the count
 
 
+def test_skip_step_and_set_accumulation_steps() -> None:
+    model = mlp()
+    opt = OffloadAdamW(model.parameters())
+    before = [p.detach().clone() for p in model.parameters()]
+    loss_of(model, batches(1)[0]).backward()
+    opt.skip_step()  # a step not taken: the count starts over, nothing is updated
+    model.zero_grad()
+    loss_of(model, batches(1)[0]).backward()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    assert not opt.state
+    opt.set_accumulation_steps(2, advice="do what the test says")
+    loss_of(model, batches(1)[0]).backward()
+    with pytest.raises(RuntimeError, match=r"accumulation_steps=2; .*or do what the test says$"):
+        loss_of(model, batches(1)[0]).backward()
+    with pytest.raises(OptionError, match=r"set_accumulation_steps: accumulation_steps=0"):
+        opt.set_accumulation_steps(0)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_eager_updates_equal_the_plain_step(backend: str, accumulation: int) -> None:

@@ -12,6 +12,7 @@ from _offload_models import batches, loss_of, max_diff, mlp
 
 from sakura import SakuraRuntime
 from sakura.errors import SpecError
+from sakura.options import OptionError
 from sakura_offload import OffloadAdamW, OffloadAdamWService
 
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.05}
@@ -191,3 +192,181 @@ def test_hf_sakura_trainer_steps_offload_adamw(tmp_path: Path) -> None:
     assert len(optimizer.param_groups) == 2  # HF's decay / no-decay groups migrated
     assert max_diff(model.net, reference.net) <= 3e-7
     assert max_diff(model.net, mlp()) > 1e-3  # it trained
+
+
+class _Regressor(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp()
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": loss_of(self.net, (x, labels))}
+
+
+def _hf_args(tmp_path: Path, **extra: Any) -> Any:
+    from transformers import TrainingArguments
+
+    options: dict[str, Any] = {
+        "output_dir": str(tmp_path / "out"),
+        "per_device_train_batch_size": 16,
+        "num_train_epochs": 1,
+        "learning_rate": HYPER["lr"],
+        "weight_decay": HYPER["weight_decay"],
+        "adam_beta1": 0.9,
+        "adam_beta2": 0.99,
+        "adam_epsilon": 1e-8,
+        "optim": "adamw_torch",
+        "save_strategy": "no",
+        "report_to": [],
+        "use_cpu": True,
+        "dataloader_num_workers": 0,
+        "disable_tqdm": True,
+        **extra,
+    }
+    return TrainingArguments(**options)
+
+
+def _rows(n: int) -> list[dict[str, torch.Tensor]]:
+    return [{"x": x[i], "labels": y[i]} for x, y in batches(n) for i in range(x.shape[0])]
+
+
+def _inner_offload(optimizer: Any) -> OffloadAdamW:
+    while not isinstance(optimizer, OffloadAdamW):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def test_hf_sakura_trainer_fp16_survives_an_overflow_at_step_one(tmp_path: Path) -> None:
+    # The first step's gradients overflow (a scale of 2**100) and the scaler skips it; the
+    # next backward used to raise "backward pass 2 reached a parameter since the last
+    # step()", as the Trainer zeroes gradients with model.zero_grad(), not the optimizer.
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from sakura_adapters.hf import SakuraTrainer
+    from sakura_precision import MixedPrecision
+
+    def run(offload: bool) -> tuple[_Regressor, Any, Any]:
+        model = _Regressor()
+        rt = SakuraRuntime(strict=True)
+        scaler = rt.install(
+            MixedPrecision("fp16", device="cpu", init_scale=2.0**100, backoff_factor=2.0**-90)
+        )
+        if offload:
+            rt.install(OffloadAdamWService())
+        trainer = SakuraTrainer(
+            model=model, args=_hf_args(tmp_path), train_dataset=_rows(4), runtime=rt
+        )
+        trainer.train()
+        return model, scaler, trainer
+
+    reference, ref_scaler, _ = run(offload=False)  # the same loop with torch's AdamW
+    model, scaler, trainer = run(offload=True)
+    assert scaler.skipped_steps == ref_scaler.skipped_steps == 1
+    optimizer = _inner_offload(trainer.optimizer)
+    assert optimizer.state[model.net[0].weight]["step"].item() == 3  # 4 batches, 1 skipped
+    assert max_diff(model.net, reference.net) <= 3e-7
+    assert max_diff(model.net, mlp()) > 1e-3  # it trained
+
+
+def test_hf_trainer_accumulation_is_read_from_the_trainer(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from transformers import Trainer
+
+    from sakura_adapters.hf import SakuraTrainer
+
+    args = _hf_args(tmp_path, gradient_accumulation_steps=2, max_grad_norm=0.05)
+    reference = _Regressor()
+    Trainer(model=reference, args=args, train_dataset=_rows(8)).train()
+    model = _Regressor()
+    rt = SakuraRuntime(strict=True)
+    rt.install(OffloadAdamWService())  # gradient_accumulation_steps is not repeated
+    trainer = SakuraTrainer(model=model, args=args, train_dataset=_rows(8), runtime=rt)
+    trainer.train()
+    optimizer = _inner_offload(trainer.optimizer)
+    assert optimizer.accumulation_steps == 2
+    assert optimizer.state[model.net[0].weight]["step"].item() == 4  # 8 batches
+    assert max_diff(model.net, reference.net) <= 3e-7
+    assert max_diff(model.net, mlp()) > 1e-3
+
+
+def test_lightning_accumulation_is_read_from_the_trainer(tmp_path: Path) -> None:
+    pl = pytest.importorskip("lightning.pytorch")
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from sakura_adapters.lightning import LightningAdapter
+
+    data = batches(8)
+    dataset = TensorDataset(torch.cat([x for x, _ in data]), torch.cat([y for _, y in data]))
+
+    class Module(pl.LightningModule):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = mlp()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return loss_of(self.net, batch)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), **HYPER)  # type: ignore[arg-type]
+
+    module = Module()
+    reference = copy.deepcopy(module.net)
+    with SakuraRuntime(strict=True) as rt:
+        rt.install(OffloadAdamWService())  # accumulate_grad_batches is not repeated
+        trainer = pl.Trainer(
+            max_epochs=1,
+            accumulate_grad_batches=2,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            default_root_dir=str(tmp_path),
+            accelerator="cpu",
+            devices=1,
+            callbacks=[LightningAdapter(rt)],
+        )
+        trainer.fit(module, DataLoader(dataset, batch_size=16, shuffle=False))
+    optimizer = trainer.optimizers[0]
+    assert isinstance(optimizer, OffloadAdamW) and optimizer.accumulation_steps == 2
+    assert optimizer.state[next(module.parameters())]["step"].item() == 4
+    ref_opt = torch.optim.AdamW(reference.parameters(), **HYPER)  # type: ignore[arg-type]
+    for i in range(0, 8, 2):  # Lightning divides each micro-batch's loss by 2
+        ref_opt.zero_grad()
+        for batch in data[i : i + 2]:
+            (loss_of(reference, batch) / 2).backward()
+        ref_opt.step()
+    assert max_diff(module.net, reference) <= 3e-7
+
+
+def test_a_loop_that_says_nothing_gets_advice_for_the_service() -> None:
+    from sakura.events import OnTrainBegin
+
+    model = mlp()
+    with SakuraRuntime(strict=True) as rt:
+        rt.install(OffloadAdamWService())
+        model, optimizer = rt.prepare(model, torch.optim.AdamW(model.parameters(), **HYPER))  # type: ignore[arg-type]
+        loss_of(model, batches(1)[0]).backward()
+        with pytest.raises(RuntimeError, match="accumulation_steps=1") as info:
+            loss_of(model, batches(1)[0]).backward()
+        # A service user never creates the optimizer: the advice is the service's.
+        assert "create the optimizer" not in str(info.value)
+        assert "OffloadAdamWService(accumulation_steps=" in str(info.value)
+        assert "DDPAdapter.on_train_begin(..., accumulation_steps=N)" in str(info.value)
+        optimizer.zero_grad()
+        rt.emit(OnTrainBegin, optimizer=optimizer, accumulation_steps=2)  # a loop that says
+        assert optimizer.accumulation_steps == 2
+        loss_of(model, batches(1)[0]).backward()
+        loss_of(model, batches(1)[0]).backward()
+        optimizer.step()
+
+
+def test_a_given_accumulation_that_contradicts_the_loop_is_an_error() -> None:
+    from sakura.events import OnTrainBegin
+
+    service = OffloadAdamWService(accumulation_steps=4)
+    optimizer = service.wrap_optimizer(torch.optim.AdamW(mlp().parameters()))
+    service.on_train_begin(OnTrainBegin(optimizer=optimizer, accumulation_steps=4))  # agrees
+    with pytest.raises(OptionError, match=r"OffloadAdamWService: accumulation_steps=4 .*loop's 2"):
+        service.on_train_begin(OnTrainBegin(optimizer=optimizer, accumulation_steps=2))
+    assert optimizer.accumulation_steps == 4

@@ -107,9 +107,30 @@ class DDPAdapter:
     def on_teardown(self, model: Any = None, stage: str = "fit") -> None:
         self._emit(ev.OnTeardown, stage=stage, model=model)
 
-    def on_train_begin(self, model: Any, optimizer: Any = None, train_loader: Any = None) -> None:
+    def on_train_begin(
+        self,
+        model: Any,
+        optimizer: Any = None,
+        train_loader: Any = None,
+        accumulation_steps: int | None = None,
+    ) -> None:
+        """``accumulation_steps``: the loop's backward passes per optimizer step, for the
+        services that need it (``OnTrainBegin.accumulation_steps``); None: not said."""
+        steps = check_int(
+            "accumulation_steps",
+            accumulation_steps,
+            minimum=1,
+            allow_none=True,
+            owner="DDPAdapter.on_train_begin",
+        )
         self.model, self.optimizer = model, optimizer
-        self._emit(ev.OnTrainBegin, model=model, optimizer=optimizer, train_loader=train_loader)
+        self._emit(
+            ev.OnTrainBegin,
+            model=model,
+            optimizer=optimizer,
+            train_loader=train_loader,
+            accumulation_steps=steps,
+        )
 
     def on_train_end(self, model: Any = None, metrics: Mapping[str, Any] | None = None) -> None:
         self._emit(ev.OnTrainEnd, model=model or self.model, metrics=metrics)

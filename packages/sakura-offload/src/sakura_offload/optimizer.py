@@ -12,9 +12,9 @@ stream and the update runs on a worker thread once the copy is there, waited for
 poll-then-sleep policy (:mod:`sakura_offload.device_stream`, :mod:`sakura_offload.event_wait`).
 
 Every parameter carries a post-accumulate-grad hook that counts backward passes: more than
-``accumulation_steps`` of them before ``step()`` / ``zero_grad()`` raise, and with
-``eager=True`` the tensor's update runs in that hook as soon as its last gradient of the
-step has landed, during backward.
+``accumulation_steps`` of them before ``step()`` / ``zero_grad()`` / ``skip_step()`` raise,
+and with ``eager=True`` the tensor's update runs in that hook as soon as its last gradient
+of the step has landed, during backward.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Any, cast
 
 import torch
 
+from sakura.options import check_int
 from sakura_offload import _formats as fmt
 from sakura_offload._backends import Backend, CudaBackend, Hyper, KernelBackend, TorchBackend
 from sakura_offload._kernel import load_cuda_kernel, load_kernel
@@ -96,8 +97,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         max_grad_norm: clip the total 2-norm of all gradients to this (the result of
             ``torch.nn.utils.clip_grad_norm_`` followed by AdamW; the gradients themselves are
             left unchanged); ``last_grad_norm`` holds the norm measured.
-        accumulation_steps: backward passes per ``step()``; one more before ``step()`` or
-            ``zero_grad()`` raises.
+        accumulation_steps: backward passes per ``step()``; one more before ``step()``,
+            ``zero_grad()`` or ``skip_step()`` raises (see :meth:`set_accumulation_steps`).
         eager: update each tensor during backward as soon as its last gradient of the step
             lands (``None`` means off: a loop that reads gradients between backward and
             ``step()``, for clipping or loss scaling, would be silently wrong otherwise).
@@ -134,6 +135,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.moment_dtype: str = options["moment_dtype"]
         self.max_grad_norm: float | None = options["max_grad_norm"]
         self.accumulation_steps: int = options["accumulation_steps"]
+        self._accumulation_advice = (
+            "create the optimizer with accumulation_steps=<backward passes per step>"
+        )
         self.eager: bool = options["eager"]
         self.seed: int = options["seed"]
         self.last_grad_norm: float | None = None
@@ -221,15 +225,27 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     # --- backward-time bookkeeping ------------------------------------------------------
 
+    def set_accumulation_steps(self, steps: int, *, advice: str | None = None) -> None:
+        """Set the backward passes per ``step()`` after construction: what a framework is
+        configured for, which the ``offload_adamw`` service reads when training starts
+        (``OnTrainBegin.accumulation_steps``).  ``advice`` replaces the error's last clause
+        (what to do about a surplus backward pass) for whoever set the count."""
+        self.accumulation_steps = check_int(
+            "accumulation_steps", steps, minimum=1, owner="OffloadAdamW.set_accumulation_steps"
+        )
+        if advice is not None:
+            self._accumulation_advice = advice
+
     def _grad_landed(self, p: torch.Tensor) -> None:
         count = self._counts.get(p, 0) + 1
         self._counts[p] = count
         if count > self.accumulation_steps:
+            n = self.accumulation_steps
             raise RuntimeError(
                 f"OffloadAdamW: backward pass {count} reached a parameter since the last "
-                f"step(), but accumulation_steps={self.accumulation_steps}; call step() (or "
-                f"zero_grad()) after every {self.accumulation_steps} backward pass(es), or "
-                "create the optimizer with accumulation_steps=<backward passes per step>"
+                f"step(), but accumulation_steps={n}; call step() (or zero_grad(), or "
+                f"skip_step() when a step is skipped) after every {n} backward pass(es), "
+                f"or {self._accumulation_advice}"
             )
         if self.eager and count == self.accumulation_steps:
             with torch.no_grad():
@@ -239,6 +255,17 @@ class OffloadAdamW(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._wait_for_devices()  # no gradient is zeroed while a copy of it is queued
         super().zero_grad(set_to_none)
+        self._counts.clear()
+        self._updated.clear()
+
+    def skip_step(self) -> None:
+        """End this step without updating: the backward passes counted since the last
+        ``step()`` start over, as after a step (the gradients are left alone).  For a step
+        that is not taken, e.g. skipped by a loss scaler for inf/NaN gradients, in a loop
+        that then zeroes the gradients without this optimizer (``model.zero_grad()``, as the
+        Hugging Face Trainer does); the ``offload_adamw`` service calls it on
+        ``OnOptimizerStep(skipped=True)``."""
+        self._wait_for_devices()
         self._counts.clear()
         self._updated.clear()
 

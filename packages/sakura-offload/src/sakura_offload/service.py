@@ -8,6 +8,14 @@ over its hyper-parameters and state (moved to host RAM in ``moment_dtype``) and 
 optimizer's state is released.  The loop must use the optimizer that ``rt.prepare``
 returns; the reference quickstart's flow, where the loop keeps its own optimizer object and
 never calls ``rt.prepare``, cannot be swapped and raises at ``OnTrainBegin``.
+
+Gradient accumulation: the backward passes per step come from the loop, as its adapter
+publishes them on ``OnTrainBegin.accumulation_steps`` (Lightning's
+``accumulate_grad_batches``, the Trainer's ``gradient_accumulation_steps``,
+``DDPAdapter.on_train_begin(..., accumulation_steps=)``); the ``accumulation_steps`` option
+is for loops that do not say.  A step the loop reports skipped (``OnOptimizerStep(skipped=
+True)``: a loss scaler found inf/NaN gradients) ends the accumulation window as a taken
+step does (:meth:`OffloadAdamW.skip_step`).
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ import warnings
 from typing import Any
 
 from sakura import Service
-from sakura.options import check_number
+from sakura.options import check_int, check_number, option_error
 from sakura_offload._options import check_optimizer_options
 
 __all__ = ["OffloadAdamWService"]
@@ -37,16 +45,20 @@ class OffloadAdamWService(Service):
         moment_dtype: Any = "float32",
         *,
         max_grad_norm: float | None = None,
-        accumulation_steps: int = 1,
+        accumulation_steps: int | None = None,
         eager: bool | None = None,
         backend: str = "auto",
         seed: int = 0,
         priority: float | None = None,
     ) -> None:
+        self.accumulation_steps: int | None = check_int(
+            "accumulation_steps", accumulation_steps, minimum=1, allow_none=True, owner=_OWNER
+        )
+        """As given: None reads the loop's setting at train begin (1 if it says nothing)."""
         check_optimizer_options(
             moment_dtype=moment_dtype,
             max_grad_norm=max_grad_norm,
-            accumulation_steps=accumulation_steps,
+            accumulation_steps=accumulation_steps or 1,
             eager=eager,
             backend=backend,
             seed=seed,
@@ -55,7 +67,7 @@ class OffloadAdamWService(Service):
         self.options: dict[str, Any] = {
             "moment_dtype": moment_dtype,
             "max_grad_norm": max_grad_norm,
-            "accumulation_steps": accumulation_steps,
+            "accumulation_steps": accumulation_steps or 1,
             "eager": eager,
             "backend": backend,
             "seed": seed,
@@ -69,17 +81,22 @@ class OffloadAdamWService(Service):
         from sakura_offload.optimizer import OffloadAdamW
 
         offload = OffloadAdamW.from_optimizer(optimizer, **self.options)
+        if offload is not optimizer:  # (one the loop built itself keeps its own settings)
+            given = self.accumulation_steps
+            offload.set_accumulation_steps(
+                given or 1, advice=_NOT_SAID if given is None else _GIVEN
+            )
         self.optimizers.append(offload)
         return offload
 
     def on_train_begin(self, event: Any) -> None:
-        """Warn when training starts with an optimizer that was never swapped (the loop
-        kept its own object instead of the one ``rt.prepare`` returned)."""
-        from sakura_offload.optimizer import OffloadAdamW
-
-        optimizer = getattr(event, "optimizer", None)
-        while optimizer is not None and not isinstance(optimizer, OffloadAdamW):
-            optimizer = getattr(optimizer, "optimizer", None)  # Lightning / HF wrappers
+        """Take the loop's accumulation setting (``event.accumulation_steps``), and warn
+        when training starts with an optimizer that was never swapped (the loop kept its
+        own object instead of the one ``rt.prepare`` returned)."""
+        steps = getattr(event, "accumulation_steps", None)
+        if steps is not None:
+            self._take_accumulation(steps)
+        optimizer = _offload_adamw(getattr(event, "optimizer", None))
         if optimizer is None and getattr(event, "optimizer", None) is not None:
             warnings.warn(
                 "offload_adamw: training started with an optimizer that is not an "
@@ -89,7 +106,52 @@ class OffloadAdamWService(Service):
                 stacklevel=2,
             )
 
+    def on_optimizer_step(self, event: Any) -> None:
+        """A skipped step (a loss scaler's) ends the accumulation window, as a taken one."""
+        if getattr(event, "skipped", False):
+            optimizer = _offload_adamw(getattr(event, "optimizer", None))
+            if optimizer is not None:
+                optimizer.skip_step()
+
+    def _take_accumulation(self, steps: int) -> None:
+        if self.accumulation_steps is not None and self.accumulation_steps != steps:
+            raise option_error(
+                "accumulation_steps",
+                self.accumulation_steps,
+                f"None (the loop's own setting is read) or the loop's {steps} backward "
+                "passes per optimizer step (OnTrainBegin.accumulation_steps)",
+                owner=_OWNER,
+            )
+        advice = (
+            f"run no backward pass outside the loop's training step: the loop declared {steps} "
+            "per optimizer step (OnTrainBegin.accumulation_steps), which offload_adamw applied"
+        )
+        for optimizer in self.optimizers:
+            optimizer.set_accumulation_steps(steps, advice=advice)
+
     def teardown(self) -> None:
         for optimizer in self.optimizers:
             optimizer.detach()
         self.optimizers.clear()
+
+
+_NOT_SAID = (
+    "let the loop say how many: LightningAdapter, SakuraTrainer and HFAdapter publish the "
+    "framework's setting, DDPAdapter.on_train_begin(..., accumulation_steps=N) yours; "
+    "or install OffloadAdamWService(accumulation_steps=<backward passes per step>)"
+)
+
+_GIVEN = (
+    "install OffloadAdamWService(accumulation_steps=<backward passes per step>); under "
+    "LightningAdapter, SakuraTrainer or HFAdapter leave it unset: the framework's setting is read"
+)
+
+
+def _offload_adamw(optimizer: Any) -> Any:
+    """The OffloadAdamW under a framework's optimizer wrappers (their public ``optimizer``
+    attribute: Lightning's and accelerate's, SakuraTrainer's proxy), or None."""
+    from sakura_offload.optimizer import OffloadAdamW
+
+    while optimizer is not None and not isinstance(optimizer, OffloadAdamW):
+        optimizer = getattr(optimizer, "optimizer", None)
+    return optimizer

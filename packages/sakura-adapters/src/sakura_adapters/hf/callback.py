@@ -212,6 +212,7 @@ class HFAdapter(TrainerCallback):
             train_loader=train_dataloader,
             # SakuraTrainer binds itself; a callback on the stock Trainer only has its state.
             trainer=state if trainer is None else trainer,
+            accumulation_steps=int(args.gradient_accumulation_steps),
         )
 
     def on_train_end(

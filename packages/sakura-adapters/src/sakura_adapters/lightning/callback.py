@@ -175,6 +175,11 @@ class LightningAdapter(Callback):
             optimizer=optimizers[0] if optimizers else None,
             train_loader=trainer.train_dataloader,
             trainer=trainer,
+            # Lightning accumulates only under automatic optimization; a manual
+            # training_step steps when it likes, so the loop says nothing then.
+            accumulation_steps=(
+                trainer.accumulate_grad_batches if pl_module.automatic_optimization else None
+            ),
         )
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
