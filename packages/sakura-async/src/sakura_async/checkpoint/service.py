@@ -170,7 +170,8 @@ class AsyncCheckpoint(Service):
             required for ``every="best"``, and otherwise recorded in each manifest (for
             :func:`~sakura_async.checkpoint.store.load_best`) when known.
         mode: ``"min"`` or ``"max"``: which direction of ``metric`` is better.
-        keep: how many of the newest checkpoints to keep (None keeps all).
+        keep: how many of the newest checkpoints that verify to keep (None keeps all);
+            corrupt ones are not counted, so the newest intact checkpoint is never deleted.
         state_provider: ``state_provider() -> state tree`` to save instead of the default
             (``{"model": model.state_dict(), "optimizer": optimizer.state_dict()}`` plus
             the services' state under ``"sakura"``; for ``format="lightning"``, the
