@@ -265,6 +265,30 @@ def test_stale_temporaries_of_dead_writers_are_removed_at_setup(tmp_path: Path) 
     assert remove_stale_temporaries(str(tmp_path)) == [alive.name]  # its writer is gone now
 
 
+def test_a_cleaner_that_claims_a_fresh_temporary_makes_its_writer_start_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The one moment a live writer's directory has no lock yet (created, marker not yet
+    made): a cleaner starting right then claims and removes it, and the writer, finding its
+    marker taken, writes into a fresh directory instead of failing."""
+    from sakura_async.checkpoint import store
+
+    real, cleaned = store._lock_new, []
+
+    def cleaner_first(tmp: str) -> int:
+        if not cleaned:
+            cleaned.extend(remove_stale_temporaries(str(tmp_path)))
+        return real(tmp)
+
+    monkeypatch.setattr(store, "_lock_new", cleaner_first)
+    final = write_checkpoint(str(tmp_path), {"w": torch.ones(3)}, step=1)
+    assert len(cleaned) == 1 and cleaned[0].startswith(".step-0000000001-epoch-0000.")
+    assert os.listdir(tmp_path) == [os.path.basename(final)]
+    assert os.listdir(final) != [] and ".sakura-writer" not in os.listdir(final)
+    latest = load_latest(tmp_path)
+    assert latest is not None and torch.equal(latest.state["w"], torch.ones(3))
+
+
 def test_train_steps_poll_without_blocking(world: Any, tmp_path: Path) -> None:
     with SakuraRuntime(strict=True) as rt:
         ckpt = rt.install(
