@@ -204,12 +204,17 @@ class OnEpochBegin(Event):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OnEpochEnd(Event):
-    """A training epoch ended; ``metrics`` holds what the loop measured in it."""
+    """A training epoch ended; ``metrics`` holds what the loop measured in it.
+    ``monitored`` names the metrics that the loop's monitors (early stopping, best-checkpoint
+    selection, an LR scheduler on plateau) read right after this event: a service that
+    computes one of them for this epoch (``AsyncEval``) delivers it, to the event bus and
+    the framework's metrics, before its handler returns."""
 
     hook: ClassVar[str] = "on_epoch_end"
     model: Any = None
     optimizer: Any = None
     metrics: Mapping[str, Any] | None = None
+    monitored: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -536,8 +541,8 @@ def _install_fast_init(cls: type[Event]) -> None:
     params = []
     body = []
     for i, f in enumerate(fields(cls)):
-        if not isinstance(f.default, (int, str, type(None))):  # pragma: no cover - guard
-            raise TypeError(f"{cls.__name__}.{f.name}: only immutable scalar defaults are allowed")
+        if not isinstance(f.default, (int, str, frozenset, type(None))):  # pragma: no cover
+            raise TypeError(f"{cls.__name__}.{f.name}: only immutable defaults are allowed")
         namespace[f"_d{i}"] = f.default
         namespace[f"_s{i}"] = getattr(cls, f.name).__set__
         params.append(f"{f.name}=_d{i}")

@@ -39,7 +39,7 @@ from __future__ import annotations
 import inspect
 import logging
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -323,6 +323,8 @@ class AsyncEval(Service):
         """Every delivered evaluation, in epoch order."""
         self.errors: list[EvalResult] = []
         """The evaluations that failed."""
+        self._metric_names: set[str] = set()
+        """The metric names the evaluations returned so far."""
 
     def _check_state_provider(self) -> None:
         if self.state_provider is not None and not self.pass_task:
@@ -423,6 +425,18 @@ class AsyncEval(Service):
         while len(self._pending) >= self.max_pending:
             self._deliver_one(wait=True)
         self._submit(event)
+        # A monitor reads this epoch's result right after this event: wait for it, so it
+        # decides as with a synchronous evaluation.  Otherwise deliver what is already done
+        # (all of it with the in-thread dispatcher) and let the next epoch overlap the rest.
+        self._deliver(wait=self._monitored(getattr(event, "monitored", None) or ()))
+
+    def _monitored(self, monitored: Collection[str]) -> bool:
+        """Whether a monitor may read one of this service's metrics.  Until a result has
+        named them, any monitored name might be one."""
+        if not monitored:
+            return False
+        produced = self._metric_names
+        return not produced or not produced.isdisjoint(monitored)
 
     def on_train_end(self, event: Any) -> None:
         self._deliver(wait=True)
@@ -512,6 +526,7 @@ class AsyncEval(Service):
                 )
             return
         metrics = item.future.result()
+        self._metric_names.update(metrics)
         self.history.append(EvalResult(item.epoch, item.step, metrics, None, item.future.timings))
         if item.reporter is not None:
             try:

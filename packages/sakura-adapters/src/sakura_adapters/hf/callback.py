@@ -46,6 +46,31 @@ _NO_SUCH_MOMENT = (
 )
 
 
+def monitored_metrics(args: Any, control: Any) -> frozenset[str]:
+    """The metric that the Trainer's best-model selection (``load_best_model_at_end``,
+    ``save_strategy="best"``), ``EarlyStoppingCallback`` and a ReduceLROnPlateau scheduler
+    read after this epoch's evaluation: ``metric_for_best_model``, under both of its names
+    (the Trainer adds ``eval_``), when the Trainer evaluates at this epoch end (its flow
+    callback ran before ours and set ``control.should_evaluate``)."""
+    metric = getattr(args, "metric_for_best_model", None)
+    if not metric or not getattr(control, "should_evaluate", False):
+        return frozenset()
+    base = metric.removeprefix("eval_")
+    return frozenset({base, f"eval_{base}"})
+
+
+def reported_for(state: Any, start: int) -> tuple[int, dict[str, Any]]:
+    """The metrics that services appended to ``state.log_history`` since ``start`` for the
+    weights of this step (AsyncEval's report: ``{**metrics, "epoch", "step"}``)."""
+    reported: dict[str, Any] = {}
+    for entry in state.log_history[start:]:
+        if isinstance(entry, Mapping) and entry.get("step") == state.global_step:
+            reported.update(entry)
+    reported.pop("epoch", None)
+    reported.pop("step", None)
+    return state.global_step, reported
+
+
 class HFAdapter(TrainerCallback):
     """Drive a :class:`~sakura.SakuraRuntime` from the Hugging Face ``Trainer``.
 
@@ -83,6 +108,8 @@ class HFAdapter(TrainerCallback):
         self._predicting = False
         self._resume_path: str | None = None
         self._wraps = WrapRecord(self.rt)
+        self._reported: tuple[int, dict[str, Any]] = (-1, {})
+        """(step, metrics) that services reported at the last monitored epoch end."""
 
     def __repr__(self) -> str:
         mode = "SakuraTrainer" if self._trainer is not None else "callback"
@@ -245,13 +272,35 @@ class HFAdapter(TrainerCallback):
         metrics: dict[str, Any] = {}
         for entry in state.log_history[self._epoch_log_start :]:
             metrics.update(entry)
+        monitored = monitored_metrics(args, control)
+        reported_from = len(state.log_history)
         self._emit(
             ev.OnEpochEnd,
             state,
             model=model,
             optimizer=service_optimizer(optimizer),
             metrics=metrics,
+            monitored=monitored,
         )
+        if monitored:  # what services reported for this epoch joins its evaluation
+            self._reported = reported_for(state, reported_from)
+
+    def _join_evaluation(self, state: Any, logs: Any) -> None:
+        """Add the metrics services reported at this epoch end (AsyncEval's, awaited because
+        a monitor reads them) to the Trainer's evaluation metrics, as ``eval_<name>``:
+        ``logs`` is the dict that the Trainer's best-model selection, ReduceLROnPlateau and
+        ``EarlyStoppingCallback`` read after ``on_log``, so they decide on them."""
+        step, reported = self._reported
+        if step != state.global_step or not isinstance(logs, dict):
+            return
+        if not any(isinstance(k, str) and k.startswith("eval_") for k in logs):
+            return  # not the evaluation's log
+        joined = {k if k.startswith("eval_") else f"eval_{k}": v for k, v in reported.items()}
+        history = state.log_history
+        entry = history[-1] if history else None  # the copy Trainer.log just appended
+        if isinstance(entry, dict) and entry.keys() - {"step"} == logs.keys():
+            entry.update(joined)
+        logs.update(joined)
 
     # --- training steps -----------------------------------------------------------------
 
@@ -338,6 +387,8 @@ class HFAdapter(TrainerCallback):
         logs: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
+        if self._reported[1]:
+            self._join_evaluation(state, logs)
         self._emit(ev.OnLog, state, logs=logs)
 
     # --- evaluation and prediction ------------------------------------------------------

@@ -45,6 +45,24 @@ def _metrics(trainer: pl.Trainer) -> dict[str, Any]:
     return dict(trainer.callback_metrics)
 
 
+def monitored_metrics(trainer: pl.Trainer) -> frozenset[str]:
+    """The metrics Lightning's monitors read after the callbacks' ``on_train_epoch_end``:
+    the ``monitor`` of every ``EarlyStopping`` and ``Checkpoint`` callback (they run after
+    the other callbacks, as Lightning's "monitoring callbacks") and of every
+    ``ReduceLROnPlateau`` scheduler config (stepped after them).  ``OnEpochEnd.monitored``
+    carries them, so a service computing one (AsyncEval) delivers it before they decide."""
+    callbacks = [*trainer.early_stopping_callbacks, *trainer.checkpoint_callbacks]
+    names = {
+        monitor for cb in callbacks if isinstance(monitor := getattr(cb, "monitor", None), str)
+    }
+    names.update(
+        config.monitor
+        for config in trainer.lr_scheduler_configs
+        if config.reduce_on_plateau and config.monitor
+    )
+    return frozenset(names)
+
+
 class LightningAdapter(Callback):
     """Drive a :class:`~sakura.SakuraRuntime` from ``lightning.Trainer``.
 
@@ -196,6 +214,7 @@ class LightningAdapter(Callback):
             model=pl_module,
             optimizer=optimizers[0] if optimizers else None,
             metrics=_metrics(trainer),
+            monitored=monitored_metrics(trainer),
         )
 
     def on_train_batch_start(
