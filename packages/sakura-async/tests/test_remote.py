@@ -3,12 +3,17 @@ token, on 127.0.0.1 only."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import ipaddress
+import logging
 import os
+import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +36,7 @@ from sakura.testing import RecordingService  # noqa: E402
 from sakura_async import AsyncEval  # noqa: E402
 from sakura_async.dispatch import RemoteDispatcher  # noqa: E402
 from sakura_async.errors import AuthenticationError  # noqa: E402
+from sakura_async.remote_server import RemoteWorkerServer  # noqa: E402
 from sakura_async.worker import main as worker_main  # noqa: E402
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -137,6 +143,44 @@ def test_async_eval_over_the_remote_worker_is_exact(world: Any, server: dict[str
     assert [dict(e.metrics) for e in rec.of(OnValidationEnd)] == reference
 
 
+def test_the_reference_quic_spelling_runs_over_tls_with_the_certificate_pinned(
+    server: dict[str, Any],
+) -> None:
+    """The reference README's ``RemoteDispatcher(uri="quic://...", cert_der=...)``: the
+    same pinned-TLS transport (over TCP), so the pin is enforced as for tls://."""
+    quic = server["uri"].replace("tls://", "quic://")
+    with RemoteDispatcher(uri=quic, cert_der=server["der"], token=TOKEN) as d:
+        assert d.tls
+        assert d.submit(remote_sum, torch.ones(4), 3.0).result(60)["sum"] == 12.0
+    with pytest.raises(AuthenticationError, match="does not match the pinned one"):
+        RemoteDispatcher(uri=quic, cert_der=server["other_der"], token=TOKEN).start()
+
+
+@pytest.mark.parametrize(
+    ("option", "secret"),
+    [("token", "s3kr1t"), ("token", b"15-bytes-s3cret"), ("token_file", "f1l3-s3cret")],
+    ids=["token-str", "token-bytes", "token_file"],
+)
+def test_a_token_shorter_than_16_bytes_is_rejected_in_every_entry_point(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], option: str, secret: str | bytes
+) -> None:
+    path = tmp_path / "token"
+    path.write_bytes(b"  " + (secret.encode() if isinstance(secret, str) else secret) + b" \n")
+    given: dict[str, Any] = {option: str(path) if option == "token_file" else secret}
+    text = secret if isinstance(secret, str) else secret.decode()
+    with pytest.raises(
+        ValueError,
+        match=rf"RemoteDispatcher: {option}\S* is too short \(\d+ bytes\); accepted: a secret of at least 16 bytes",
+    ) as info:
+        RemoteDispatcher(uri="tcp://127.0.0.1:1", **given)
+    assert text not in str(info.value)  # the message never shows the secret
+    with pytest.raises(ValueError, match=r"sakura-worker: token is too short \(\d+ bytes\)"):
+        RemoteWorkerServer("127.0.0.1", 0, token=text.encode())
+    assert worker_main(["--listen", "127.0.0.1:0", "--token-file", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "--token-file=" in err and "is too short" in err and text not in err
+
+
 def test_a_client_without_the_token_is_rejected(server: dict[str, Any]) -> None:
     with pytest.raises(AuthenticationError, match="refused this client \\(no token was given\\)"):
         RemoteDispatcher(uri=server["uri"], cert_der=server["der"]).start()
@@ -180,7 +224,8 @@ def test_the_worker_refuses_to_listen_beyond_loopback_without_tls_and_token(
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"uri": "quic://h:1"}, "uri must be tls://HOST:PORT"),
+        ({"uri": "ftp://h:1"}, "uri='ftp://h:1' is not accepted; accepted: tls://HOST:PORT"),
+        ({"uri": "quic://127.0.0.1:1"}, "a quic:// worker must be authenticated"),
         ({"uri": "tls://127.0.0.1:1"}, "give exactly one of cert_der"),
         ({"uri": "tcp://10.1.2.3:1"}, "only allowed to a loopback address"),
         ({"uri": "tls://127.0.0.1:1", "cert_sha256": "zz"}, "64 hex digits"),
@@ -193,3 +238,64 @@ def test_the_worker_refuses_to_listen_beyond_loopback_without_tls_and_token(
 def test_options_are_validated(kwargs: dict, match: str) -> None:
     with pytest.raises((ValueError, TypeError), match=match):
         RemoteDispatcher(**kwargs)
+
+
+def add(a: int, b: int) -> int:
+    return a + b
+
+
+@pytest.mark.parametrize("transport", ["tcp", "tls"])
+def test_slow_clients_that_keep_reconnecting_do_not_lock_out_real_ones(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, transport: str
+) -> None:
+    """Slow-loris connections (one byte, then silence; reconnect when cut) outnumber the
+    handshake threads; every real client still gets through, and the worker's log gets a
+    summary line, not a line per closed connection."""
+    tls = transport == "tls"
+    cert, key, der = self_signed(tmp_path, "worker") if tls else (None, None, b"")
+    server = RemoteWorkerServer(
+        "127.0.0.1",
+        0,
+        token=TOKEN.encode(),
+        certfile=None if cert is None else str(cert),
+        keyfile=None if key is None else str(key),
+        handshake_timeout=1.0,
+        max_handshakes=2,
+        report_interval=600,
+    )
+    serving = threading.Thread(target=server.serve_forever, daemon=True)
+    serving.start()
+    caplog.set_level(logging.INFO, logger="sakura.async.worker")
+    stop = threading.Event()
+
+    def slow_client() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(OSError), socket.create_connection(server.address, 10) as s:
+                s.sendall(b"\x16" if tls else b"S")  # a plausible first byte, then nothing
+                while not stop.is_set() and s.recv(1):  # until the worker cuts it
+                    pass
+
+    slow = [threading.Thread(target=slow_client, daemon=True) for _ in range(8)]
+    for thread in slow:
+        thread.start()
+    try:
+        deadline = time.monotonic() + 120
+        while sum(server.closed_unauthenticated.values()) < 16 and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the slow clients have been cut and came back, twice
+        pin = {"cert_der": der} if tls else {}
+        for i in range(6):
+            uri = f"{transport}://127.0.0.1:{server.address[1]}"
+            with RemoteDispatcher(uri=uri, token=TOKEN, connect_timeout=30, **pin) as d:
+                assert d.submit(add, i, 1).result(timeout=60) == i + 1
+    finally:
+        stop.set()
+        for thread in slow:
+            thread.join(timeout=30)
+        server.stop()
+        serving.join(timeout=30)
+    closed = server.closed_unauthenticated
+    assert server.authenticated == 6
+    assert closed.get("timed out", 0) >= 16, closed
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert 1 <= len(warnings) <= 2, [r.getMessage() for r in warnings]  # first line + final
+    assert "timed out" in warnings[-1].getMessage()

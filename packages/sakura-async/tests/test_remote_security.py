@@ -5,9 +5,12 @@ Everything binds 127.0.0.1."""
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import pickle
 import socket
 import struct
+import sys
 import threading
 import time
 import tracemalloc
@@ -15,15 +18,17 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import cloudpickle
 import pytest
 import zstandard
 
+import sakura_async.wire.channel as channel_module
 from sakura_async.dispatch import RemoteDispatcher
-from sakura_async.errors import AuthenticationError
+from sakura_async.errors import AuthenticationError, WorkerCrashedError
 from sakura_async.remote_server import RemoteWorkerServer
 from sakura_async.wire.auth import client_handshake
 from sakura_async.wire.channel import MAGIC, Channel, ChannelClosedError, FrameTooLargeError, Kind
-from sakura_async.wire.serialize import pack_frame
+from sakura_async.wire.serialize import Encoder, pack_frame
 
 TOKEN = b"the-shared-token-of-these-tests-0123456789"
 
@@ -93,9 +98,9 @@ def add(a: int, b: int) -> int:
     ("greeting", "match"),
     [
         # Claims a token but cannot prove it: a proof of zeros (any guess).
-        (lambda: b"SKWA2T" + bytes(32) + bytes(32), "the server failed to prove the shared token"),
+        (lambda: b"SKWA3T" + bytes(32) + bytes(32), "the server failed to prove the shared token"),
         # Claims that no token is needed.
-        (lambda: b"SKWA2N" + bytes(32) + bytes(32), "says it needs no token, but this client"),
+        (lambda: b"SKWA3N" + bytes(32) + bytes(32), "says it needs no token, but this client"),
         # Skips the handshake and sends frames at once.
         (lambda: b"", "not a sakura-worker|failed to prove"),
     ],
@@ -129,7 +134,7 @@ def test_a_proof_for_one_client_nonce_does_not_work_for_another() -> None:
     try:
         recorded: list[bytes] = []
         with socket.create_connection(server.address, timeout=20) as sock:
-            sock.sendall(b"SKWA2T" + bytes(32))
+            sock.sendall(b"SKWA3T" + bytes(32))
             reply = b""
             while len(reply) < 70:
                 reply += sock.recv(70 - len(reply))
@@ -243,7 +248,7 @@ def test_a_slow_handshake_is_cut_at_the_deadline(worker: RemoteWorkerServer) -> 
     """One byte of a valid greeting every 0.25 s: each read is quick, the whole is not."""
     with socket.create_connection(worker.address, timeout=30) as sock:
         cut = False
-        for byte in b"SKWA2T" + bytes(32):
+        for byte in b"SKWA3T" + bytes(32):
             try:
                 sock.sendall(bytes([byte]))
             except (BrokenPipeError, ConnectionResetError):
@@ -258,21 +263,180 @@ def test_a_slow_handshake_is_cut_at_the_deadline(worker: RemoteWorkerServer) -> 
                 assert sock.recv(1) == b""
 
 
-@pytest.mark.parametrize("worker", [600.0], indirect=True)  # no deadline within the test
-def test_more_than_max_handshakes_unauthenticated_connections_are_refused(
-    worker: RemoteWorkerServer,
+@pytest.mark.parametrize("cap", ["max_unauthenticated", "max_unauthenticated_per_peer"])
+def test_a_connection_over_the_cap_closes_the_oldest_idle_one_not_the_newcomer(
+    cap: str,
 ) -> None:
-    idle = [socket.create_connection(worker.address, timeout=30) for _ in range(2)]
+    server = RemoteWorkerServer("127.0.0.1", 0, token=TOKEN, handshake_timeout=600, **{cap: 2})
+    serving = threading.Thread(target=server.serve_forever, daemon=True)
+    serving.start()
     try:
+        idle = [socket.create_connection(server.address, timeout=30) for _ in range(2)]
+        for sock in idle:
+            sock.sendall(b"S")  # the start of a greeting, and nothing more
         deadline = time.monotonic() + 60
-        while worker._handshakes._value > 0 and time.monotonic() < deadline:  # type: ignore[attr-defined]
-            time.sleep(0.02)  # until the worker has accepted both (they hold both slots)
-        with socket.create_connection(worker.address, timeout=30) as third:
-            assert closed_by_peer(third, within=60)  # refused on accept
-        assert worker.refused == 1
-    finally:
+        while server.unauthenticated < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)  # until the worker has accepted both (they fill the cap)
+        with socket.create_connection(server.address, timeout=30):  # a third one
+            assert closed_by_peer(idle[0], within=60)  # the oldest made room
+            assert server.closed_unauthenticated == {"evicted": 1}
+            # A real client gets through while the cap is full of idle connections.
+            with RemoteDispatcher(uri=f"tcp://127.0.0.1:{server.address[1]}", token=TOKEN) as d:
+                assert d.submit(add, 20, 22).result(timeout=120) == 42
+            assert closed_by_peer(idle[1], within=60)  # the oldest when the client came
+            assert server.closed_unauthenticated == {"evicted": 2}
         for sock in idle:
             sock.close()
-    time.sleep(0.2)
-    with RemoteDispatcher(uri=f"tcp://127.0.0.1:{worker.address[1]}", token=TOKEN) as d:
-        assert d.submit(add, 20, 22).result(timeout=120) == 42
+    finally:
+        server.stop()
+        serving.join(timeout=30)
+
+
+# --- a relay between a real client and a real worker ----------------------------------------
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+_TAG = getattr(channel_module, "TAG_BYTES", 0)  # the session MAC after each frame body
+_FRAME = struct.Struct("!4sBQQ")
+_HANDSHAKE = {"to-worker": (38, 32), "to-client": (70, 2)}  # greeting, proof; reply, OK
+
+
+def append_line(path: Path) -> int:
+    with path.open("a") as f:
+        f.write("ran\n")
+    return 1
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
+class Relay:
+    """A man in the middle on 127.0.0.1: forwards the handshake untouched between one real
+    client and the real worker, then forwards frames, except as ``mode`` says."""
+
+    def __init__(self, worker: tuple[str, int], mode: str, marker: Path) -> None:
+        self.worker, self.mode, self.marker = worker, mode, marker
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = self.listener.getsockname()
+        self.eof = {"to-worker": threading.Event(), "to-client": threading.Event()}
+        """Set when the end that sends in that direction closed the connection."""
+        self.socks: dict[str, socket.socket] = {}
+        self.locks = {"to-worker": threading.Lock(), "to-client": threading.Lock()}
+        self.held: list[bytes] = []
+        self.done = False
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def send(self, direction: str, data: bytes) -> None:
+        with self.locks[direction], contextlib.suppress(OSError):
+            self.socks[direction].sendall(data)
+
+    def forged(self, kind: int, task_id: int, payload: Any) -> bytes:
+        body = b"".join(bytes(c) for c in Encoder(placer=None).encode(payload))
+        return _FRAME.pack(MAGIC, kind, task_id, len(body)) + body + os.urandom(_TAG)
+
+    def _run(self) -> None:
+        client, _ = self.listener.accept()
+        worker = socket.create_connection(self.worker)
+        self.socks = {"to-worker": worker, "to-client": client}
+        threading.Thread(target=self._pump, args=("to-worker", client), daemon=True).start()
+        self._pump("to-client", worker)
+
+    def _pump(self, direction: str, src: socket.socket) -> None:
+        try:
+            for size in _HANDSHAKE[direction]:
+                message = _recv_exact(src, size)
+                if message is None:
+                    break
+                self.send(direction, message)
+            else:
+                while True:
+                    header = _recv_exact(src, _FRAME.size)
+                    if header is None:
+                        break
+                    rest = _recv_exact(src, _FRAME.unpack(header)[3] + _TAG)
+                    if rest is None:
+                        break
+                    self.on_frame(direction, header + rest)
+        except OSError:
+            pass
+        self.eof[direction].set()
+        with contextlib.suppress(OSError):
+            self.socks[direction].shutdown(socket.SHUT_RDWR)  # pass the close on
+
+    def on_frame(self, direction: str, frame: bytes) -> None:
+        kind, task_id = _FRAME.unpack(frame[: _FRAME.size])[1:3]
+        first = not self.done and (
+            (direction == "to-worker" and kind == Kind.TASK)
+            or (direction == "to-client" and self.mode == "reorder")
+        )
+        if not first:
+            self.send(direction, frame)
+            return
+        if self.mode == "forge-result":  # the client's task "returns" a code-running pickle
+            self.send(
+                "to-client",
+                self.forged(Kind.RESULT, task_id, CreatesAMarkerWhenUnpickled(self.marker)),
+            )
+            self.send(direction, frame)
+        elif self.mode == "forge-task":  # the worker is handed a task of the relay's own
+            self.send("to-worker", self.forged(Kind.TASK, 99, (Path.touch, (self.marker,), {})))
+            self.send(direction, frame)
+        elif self.mode == "replay":  # the client's (side-effecting) task, twice
+            self.send(direction, frame)
+            self.send(direction, frame)
+        elif self.mode == "reflect":  # the client's own frame comes back as the worker's
+            self.send(direction, frame)
+            self.send("to-client", frame)
+        elif self.mode == "reorder":  # the worker's first two frames, swapped
+            self.held.append(frame)
+            if len(self.held) < 2:
+                return
+            self.send(direction, self.held[1])
+            self.send(direction, self.held[0])
+        self.done = True
+
+
+@pytest.mark.parametrize(
+    ("mode", "detected_by"),
+    [
+        ("forge-result", "client"),
+        ("forge-task", "worker"),
+        ("replay", "worker"),
+        ("reflect", "client"),
+        ("reorder", "client"),
+    ],
+)
+def test_a_relay_that_forwarded_the_handshake_cannot_inject_replay_or_reorder_frames(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, mode: str, detected_by: str
+) -> None:
+    marker, ran = tmp_path / "unpickled", tmp_path / "ran"
+    server = RemoteWorkerServer("127.0.0.1", 0, token=TOKEN, handshake_timeout=30)
+    serving = threading.Thread(target=server.serve_forever, daemon=True)
+    serving.start()
+    relay = Relay(server.address, mode, marker)
+    caplog.set_level(logging.INFO, logger="sakura.async.worker")
+    try:
+        d = RemoteDispatcher(uri=f"tcp://127.0.0.1:{relay.address[1]}", token=TOKEN)
+        future = d.submit(append_line, ran)
+        if detected_by == "client":
+            with pytest.raises(WorkerCrashedError, match="failed authentication"):
+                future.result(timeout=60)
+            assert relay.eof["to-worker"].wait(60)  # the client closed the connection
+        else:
+            assert relay.eof["to-client"].wait(60)  # the worker closed the connection
+            assert any("failed authentication" in r.getMessage() for r in caplog.records)
+            with contextlib.suppress(WorkerCrashedError):
+                future.result(timeout=60)  # the worker may have answered the genuine frame
+        d.close(wait=False)
+    finally:
+        server.stop()
+        serving.join(timeout=30)
+    assert not marker.exists()  # nothing forged was ever unpickled, on either side
+    assert not ran.exists() or ran.read_text() == "ran\n"  # the genuine task ran once at most

@@ -170,13 +170,27 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--handshake-timeout",
         type=float,
         default=15.0,
-        help="seconds a client has for the whole TLS handshake and token proof (15)",
+        help="seconds a client has from connecting to the end of the token proof (15)",
     )
     parser.add_argument(
         "--max-handshakes",
         type=int,
         default=16,
-        help="connections that may be authenticating at once; more are refused (16)",
+        help="handshakes run at once, each for a connection whose first message has "
+        "arrived; others wait for one (16)",
+    )
+    parser.add_argument(
+        "--max-unauthenticated",
+        type=int,
+        default=128,
+        help="connections that may be unauthenticated at once; a new one over the cap "
+        "closes the oldest that has not sent its first message (128)",
+    )
+    parser.add_argument(
+        "--max-unauthenticated-per-peer",
+        type=int,
+        default=32,
+        help="the same cap for the connections from one address (32)",
     )
     parser.add_argument(
         "--max-frame-bytes",

@@ -4,6 +4,9 @@ The connection is TLS (the standard :mod:`ssl` module) with the worker's certifi
 pinned by the client (``cert_der``, ``cert_sha256`` or ``cafile``), then both sides prove
 the shared token by HMAC challenge-response (:mod:`sakura_async.wire.auth`) before either
 decodes anything: a server that cannot prove the token never gets a result unpickled here.
+Over ``tcp://`` (loopback only) every frame after that carries a MAC under a key derived
+from the token and both sides' nonces, with a per-direction sequence number: a relay that
+forwarded the handshake cannot inject, replay or reorder a frame afterwards.
 The worker sends a heartbeat every second; a worker silent for ``liveness_timeout``
 seconds is dropped and its tasks fail with
 :class:`~sakura_async.errors.WorkerUnresponsiveError`.  ``tcp://`` without TLS is
@@ -18,6 +21,13 @@ Start the worker with a token file and a certificate::
 and connect::
 
     RemoteDispatcher(uri="tls://eval-host:4433", token_file="token", cert_der=cert_bytes)
+
+The reference README's spelling ``RemoteDispatcher(uri="quic://eval-host:4433",
+cert_der=cert_bytes)`` means the same here: ``quic://`` selects this TLS transport with
+``cert_der`` (the worker's DER certificate) pinned.  What differs from the reference's
+Rust/QUIC transport: it runs over TCP (TLS 1.2+ from Python's :mod:`ssl`), not QUIC over
+UDP, so the worker's port must be open for TCP; and a token is required as well as the
+certificate (the worker refuses clients without one beyond loopback).
 """
 
 from __future__ import annotations
@@ -42,12 +52,13 @@ from sakura_async.dispatch.base import (
     TaskFuture,
 )
 from sakura_async.errors import AuthenticationError, WorkerCrashedError, WorkerUnresponsiveError
-from sakura_async.wire.auth import client_handshake, is_loopback, read_token
+from sakura_async.wire.auth import check_token, client_handshake, is_loopback, read_token
 from sakura_async.wire.channel import (
     DEFAULT_MAX_FRAME_BYTES,
     Channel,
     ChannelClosedError,
     ChannelTimeoutError,
+    FrameAuthenticationError,
     Kind,
 )
 from sakura_async.wire.serialize import Encoder
@@ -56,7 +67,8 @@ __all__ = ["RemoteDispatcher"]
 
 logger = logging.getLogger("sakura.async")
 
-_SCHEMES = ("tls", "tcp", "sakura+tls", "sakura+tcp")
+_SCHEMES = ("tls", "tcp", "sakura+tls", "sakura+tcp", "quic")
+_TLS_SCHEMES = ("tls", "sakura+tls", "quic")  # quic://: the reference's spelling, TLS over TCP here
 
 
 class _Connection:
@@ -75,9 +87,12 @@ class RemoteDispatcher(Dispatcher):
     """Run tasks on a remote ``sakura-worker --listen``.
 
     Args:
-        uri: ``tls://HOST:PORT`` (or ``tcp://HOST:PORT`` for a loopback worker started with
-            ``--insecure-loopback``).
-        token / token_file: the shared secret the worker was started with.
+        uri: ``tls://HOST:PORT`` (or ``tcp://HOST:PORT`` for a loopback worker).
+            ``quic://HOST:PORT``, the reference README's spelling, is accepted as
+            ``tls://``: the same certificate pinning and token, over TLS on TCP (not QUIC
+            on UDP; see the module docstring).
+        token / token_file: the shared secret the worker was started with (at least 16
+            bytes).
         cert_der: the worker's certificate (DER bytes) to pin; or ``cert_file``, a file
             holding it (PEM or DER); or ``cert_sha256``, the hex SHA-256 of the DER; or
             ``cafile``, a CA bundle to verify it against (with hostname checking).  Exactly
@@ -124,25 +139,24 @@ class RemoteDispatcher(Dispatcher):
         parts = urlsplit(uri)
         if parts.scheme not in _SCHEMES or not parts.hostname or parts.port is None:
             raise ValueError(
-                f"uri must be tls://HOST:PORT (or tcp://HOST:PORT on loopback), got {uri!r}"
+                f"{owner}: uri={uri!r} is not accepted; accepted: tls://HOST:PORT, "
+                f"quic://HOST:PORT (the same TLS transport), or tcp://HOST:PORT on loopback"
             )
         self.uri = uri
         self.host: str = parts.hostname
         self.port: int = parts.port
-        self.tls = parts.scheme.endswith("tls")
+        self.tls = parts.scheme in _TLS_SCHEMES
         if token is not None and token_file is not None:
             raise ValueError("give token or token_file, not both")
         if token_file is not None:
-            token = read_token(token_file)
-        if isinstance(token, str):
-            token = token.encode()
-        if token is not None and not isinstance(token, bytes):
-            raise TypeError(f"token must be str or bytes, got {type(token).__name__}")
-        self._token: bytes | None = token
+            token = read_token(token_file, owner=owner)
+        self._token: bytes | None = (
+            None if token is None else check_token(token, option="token", owner=owner)
+        )
         pins = [p for p in (cert_der, cert_sha256, cert_file, cafile) if p is not None]
         if self.tls and len(pins) != 1:
             raise ValueError(
-                "a tls:// worker must be authenticated: give exactly one of cert_der (the "
+                f"a {parts.scheme}:// worker must be authenticated: give exactly one of cert_der (the "
                 "worker's certificate, DER bytes), cert_file (a PEM or DER file of it), "
                 "cert_sha256 (its hex SHA-256) or cafile"
             )
@@ -223,12 +237,17 @@ class RemoteDispatcher(Dispatcher):
                             f"{where} presented a certificate that does not match the pinned one "
                             f"(sha256 {hashlib.sha256(der).hexdigest()}); refusing to send it anything"
                         )
-            client_handshake(sock, self._token, timeout=self.connect_timeout)
+            keys = client_handshake(sock, self._token, timeout=self.connect_timeout)
         except BaseException:
             with contextlib.suppress(OSError):
                 sock.close()
             raise
-        channel = Channel(sock, max_body=self.max_frame_bytes, timeout=self.liveness_timeout)
+        channel = Channel(
+            sock,
+            max_body=self.max_frame_bytes,
+            timeout=self.liveness_timeout,
+            keys=None if self.tls else keys,  # TLS authenticates every byte itself
+        )
         conn = _Connection(channel, where)
         reader = threading.Thread(
             target=self._read_loop, args=(conn,), name="sakura-remote-reader", daemon=True
@@ -269,6 +288,9 @@ class RemoteDispatcher(Dispatcher):
                     if future is None:
                         continue
                     future._finish_outcome(body, conn.where)
+        except FrameAuthenticationError as exc:
+            logger.error("sakura RemoteDispatcher: dropped %s: %s", conn.where, exc)
+            reason = exc
         except ChannelClosedError as exc:
             reason = exc
         except BaseException as exc:

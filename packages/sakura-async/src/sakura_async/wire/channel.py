@@ -1,6 +1,13 @@
 """Length-prefixed messages over a stream socket, optionally carrying file descriptors.
 
-Header: ``magic (4s) | kind (B) | task id (Q) | body length (Q)``.  File descriptors
+Header: ``magic (4s) | kind (B) | task id (Q) | body length (Q)``, then the body, then,
+on a channel with session keys (``tcp://`` with a token), a 32-byte tag:
+HMAC-SHA256 under the sender's direction key of ``sequence number (Q) | header | body``.
+Each direction counts its frames from 0 and the counter is never sent, so a frame that a
+relay forged, replayed, reordered or reflected back to its sender fails the check: the
+receiver raises :class:`FrameAuthenticationError` (the connection is then closed) and
+returns nothing of it, so nothing of it is ever unpickled.  A local worker's channel needs
+no tag: it is an unnamed Unix socket pair that only the two processes hold.  File descriptors
 (shared-memory segments for a local worker) ride on the header's ``sendmsg`` as
 ``SCM_RIGHTS`` ancillary data, so they only ever cross a Unix socket.  Bodies are received
 into a ``bytearray`` so tensors rebuilt from them are writable without a copy.
@@ -16,6 +23,8 @@ from __future__ import annotations
 
 import array
 import contextlib
+import hashlib
+import hmac
 import os
 import socket
 import struct
@@ -23,18 +32,23 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from sakura_async.wire.auth import SessionKeys
+
 __all__ = [
     "DEFAULT_MAX_FRAME_BYTES",
     "Channel",
     "ChannelClosed",
     "ChannelClosedError",
     "ChannelTimeoutError",
+    "FrameAuthenticationError",
     "FrameTooLargeError",
     "Kind",
 ]
 
 MAGIC = b"SKW1"
 _HEADER = struct.Struct("!4sBQQ")
+_SEQ = struct.Struct("!Q")
+TAG_BYTES = 32
 MAX_FDS = 32
 DEFAULT_MAX_FRAME_BYTES = 4 << 30
 """4 GiB: the largest message a channel accepts unless told otherwise (``max_frame_bytes``
@@ -68,6 +82,11 @@ class FrameTooLargeError(ChannelClosedError):
     """A message header announced a body over the channel's ``max_body``."""
 
 
+class FrameAuthenticationError(ChannelClosedError):
+    """A message failed its session MAC: it was forged, replayed, reordered or reflected
+    by something between the two ends.  Nothing of it was decoded."""
+
+
 class Channel:
     """One end of a worker connection.  ``send`` is thread-safe; one thread receives.
 
@@ -77,6 +96,9 @@ class Channel:
         max_body: the largest body accepted, in bytes.
         timeout: seconds a ``recv`` or ``send`` may wait for the peer before the channel
             counts it as gone (None: no bound; use with heartbeats from the peer).
+        keys: the session's frame keys from the handshake: every message is sent with a
+            tag and every message received must carry a valid one (None: no tags, for a
+            transport that authenticates its bytes itself, TLS or a socket pair).
     """
 
     def __init__(
@@ -86,10 +108,14 @@ class Channel:
         fds: bool = False,
         max_body: int = DEFAULT_MAX_FRAME_BYTES,
         timeout: float | None = None,
+        keys: SessionKeys | None = None,
     ) -> None:
         self.sock = sock
         self.fds = fds
         self.max_body = max_body
+        self._keys = keys
+        self._sent = 0
+        self._received = 0
         self._send_lock = threading.Lock()
         sock.settimeout(timeout)
 
@@ -103,6 +129,10 @@ class Channel:
         if len(fds) > MAX_FDS:
             raise ValueError(f"at most {MAX_FDS} file descriptors per message")
         with self._send_lock:
+            mac = None
+            if self._keys is not None:
+                mac = hmac.new(self._keys.send, _SEQ.pack(self._sent) + header, hashlib.sha256)
+                self._sent += 1
             try:
                 if fds:
                     socket.send_fds(self.sock, [header], list(fds))
@@ -110,7 +140,11 @@ class Channel:
                     self.sock.sendall(header)
                 for chunk in chunks:
                     if memoryview(chunk).nbytes:
+                        if mac is not None:
+                            mac.update(chunk)
                         self.sock.sendall(chunk)
+                if mac is not None:
+                    self.sock.sendall(mac.digest())
             except TimeoutError as exc:
                 raise ChannelTimeoutError(
                     f"the peer did not take a message within {self.sock.gettimeout()} s"
@@ -149,6 +183,8 @@ class Channel:
                     f"max_frame_bytes={self.max_body}"
                 )
             body = self._recv_body(size)
+            if self._keys is not None:
+                self._check_tag(self._keys.recv, bytes(header), body)
         except TimeoutError as exc:
             for fd in fds:
                 with contextlib.suppress(OSError):
@@ -161,6 +197,18 @@ class Channel:
                 raise
             raise ChannelClosedError(f"connection lost: {exc}") from exc
         return kind, task_id, body, fds
+
+    def _check_tag(self, key: bytes, header: bytes, body: bytearray) -> None:
+        tag = self._recv_body(TAG_BYTES)
+        mac = hmac.new(key, _SEQ.pack(self._received) + header, hashlib.sha256)
+        mac.update(body)
+        if not hmac.compare_digest(mac.digest(), bytes(tag)):
+            raise FrameAuthenticationError(
+                f"message #{self._received} from the peer failed authentication (forged, "
+                f"replayed or reordered by something between the two ends); the connection "
+                f"is closed and nothing of the message was decoded"
+            )
+        self._received += 1
 
     def _recv_body(self, size: int) -> bytearray:
         """Receive ``size`` bytes, growing the buffer by at most 16 MiB ahead of the data."""
