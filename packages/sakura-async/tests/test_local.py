@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import operator
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -211,6 +213,38 @@ def test_options_are_validated() -> None:
         LocalDispatcher(max_frame_bytes=1)
     with pytest.raises(TypeError, match="env must be a mapping"):
         LocalDispatcher(env={"A": 1})  # type: ignore[dict-item]
+
+
+def test_the_python_option_is_checked_at_construction(tmp_path: Path) -> None:
+    """A wrong interpreter fails here, naming the option and the value, not at the first
+    submit with a raw FileNotFoundError."""
+    not_executable = tmp_path / "python3"
+    not_executable.write_text("#!/bin/sh\nexit 0\n")
+    not_python = tmp_path / "not-python"
+    not_python.write_text("#!/bin/sh\necho 'this is no python' >&2; exit 3\n")
+    not_python.chmod(0o755)
+    for bad, why in [
+        ("/nonexistent/python", "no executable file is there"),
+        (str(not_executable), "no executable file is there"),
+        (str(not_python), "exited with status 3: this is no python"),
+    ]:
+        with pytest.raises(
+            ValueError,
+            match=f"LocalDispatcher: python='{bad}' is not accepted; accepted: the path of a Python 3 interpreter.*{why}",
+        ):
+            LocalDispatcher(python=bad)
+    with LocalDispatcher(python=sys.executable) as d:
+        assert d.submit(operator.add, 2, 3).result(timeout=120) == 5
+
+
+def test_the_worker_connection_is_an_unnamed_socket_pair() -> None:
+    """Its frames carry no MAC (docs of sakura_async.wire.channel): nothing but the two
+    processes can reach it, as it has no address anyone could connect to."""
+    with LocalDispatcher() as d:
+        d.start()
+        sock = d._worker.channel.sock  # type: ignore[union-attr]
+        assert sock.family == socket.AF_UNIX
+        assert sock.getsockname() == "" and sock.getpeername() == ""
 
 
 # --- no caller waits forever ---------------------------------------------------------------

@@ -48,7 +48,11 @@ def test_dispatchers_by_name() -> None:
         isinstance(process, LocalDispatcher) and process.threads == 1 and process.worker_pid is None
     )
     process.close()
-    remote = create("dispatcher", "remote:uri=tcp://127.0.0.1:9,token=abc")
+    remote = create("dispatcher", "remote:uri=tcp://127.0.0.1:9,token=a-token-of-16-bytes-or-more")
+    with pytest.raises(
+        SpecError, match="token is too short \\(3 bytes\\); accepted: a secret of at least 16"
+    ):
+        create("dispatcher", "remote:uri=tcp://127.0.0.1:9,token=abc")
     assert isinstance(remote, RemoteDispatcher) and remote.port == 9
     cluster = create("dispatcher", "cluster:address=tcp://127.0.0.1:8786")
     assert isinstance(cluster, ClusterDispatcher) and cluster.address == "tcp://127.0.0.1:8786"
@@ -108,6 +112,40 @@ def test_options_the_service_does_not_take_go_to_the_dispatcher() -> None:
 def test_bad_specs_say_what_is_wrong(spec: str, match: str) -> None:
     with pytest.raises((SpecError, ValueError, TypeError), match=match):
         create("service", spec)
+
+
+@pytest.mark.parametrize(
+    ("spec", "hint"),
+    [
+        ("async_eval:thred", "thread"),
+        ("async_eval:dispatcher=prcess", "process"),
+        ("async_checkpoint:inthred,dir=x", "inthread"),
+    ],
+)
+def test_a_misspelt_dispatcher_is_rejected_at_parse_time_with_the_nearest_name(
+    spec: str, hint: str
+) -> None:
+    with pytest.raises(SpecError, match=rf"accepted: cluster, .*thread; did you mean '{hint}'\?"):
+        create("service", spec)
+
+
+def test_check_dispatcher_rejects_a_misspelt_name_without_building_anything() -> None:
+    """For a service constructor (``AsyncEval(dispatcher="thred")``): the error names the
+    option, the value, the accepted names and the nearest one, before install."""
+    from sakura_async.dispatch.resolve import check_dispatcher, resolve_dispatcher
+
+    with pytest.raises(
+        ValueError,
+        match=r"AsyncEval: dispatcher='thred' is not accepted; accepted: a registered "
+        r"dispatcher: cluster, .*thread; did you mean 'thread'\?",
+    ):
+        check_dispatcher("thred", owner="AsyncEval")
+    with pytest.raises(ValueError, match="did you mean 'remote'"):
+        resolve_dispatcher("remot:uri=tls://h:1")
+    with pytest.raises(TypeError, match="dispatcher must be a sakura_async dispatcher"):
+        check_dispatcher(3)
+    for fine in (None, "thread", "process:threads=2", InThreadDispatcher()):
+        check_dispatcher(fine)
 
 
 def test_async_checkpoint_by_name(tmp_path: Path) -> None:

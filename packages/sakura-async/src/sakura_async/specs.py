@@ -44,6 +44,7 @@ from typing import Any
 
 from sakura.errors import SpecError
 from sakura.specs import Spec
+from sakura_async.dispatch.resolve import unknown_dispatcher
 
 __all__ = ["build_async_checkpoint", "build_async_eval", "import_object"]
 
@@ -87,11 +88,11 @@ def _split(
             "key=value"
         )
     dispatcher_name = spec.args[0] if spec.args else spec.kwargs.get("dispatcher", "thread")
-    registered = _registered_dispatchers()
-    if dispatcher_name not in registered:
+    accepted = unknown_dispatcher(str(dispatcher_name))
+    if accepted is not None:
         raise SpecError(
             f"{spec.text or spec.name!r}: unknown dispatcher {dispatcher_name!r}; accepted: "
-            f"{', '.join(registered)}"
+            f"{accepted}"
         )
     service_params = set(inspect.signature(service_cls).parameters) | own
     service_kwargs: dict[str, Any] = {}

@@ -29,6 +29,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -38,7 +39,7 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from sakura.options import check_int, check_number
+from sakura.options import check_int, check_number, option_error
 from sakura_async.dispatch.base import (
     DEFAULT_INTERRUPT_GRACE,
     DEFAULT_TASK_TIMEOUT,
@@ -70,6 +71,38 @@ def _kill(proc: subprocess.Popen[bytes]) -> None:
     """SIGKILL (which also ends a stopped process); ignore one that is already gone."""
     with contextlib.suppress(OSError):
         proc.kill()
+
+
+def _check_python(python: str, owner: str) -> str:
+    """``python`` resolved to an executable that runs as Python 3 (checked once, at
+    construction, so a wrong path fails here and not at the first ``submit``)."""
+    accepted = "the path of a Python 3 interpreter that exists and runs (default: sys.executable)"
+    found = shutil.which(python)
+    if found is None:
+        raise option_error(
+            "python", python, f"{accepted}; no executable file is there", owner=owner
+        )
+    try:
+        run = subprocess.run(
+            [found, "-c", "import sys; print(sys.version_info[0])"],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=60,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise option_error(
+            "python", python, f"{accepted}; running it failed: {exc}", owner=owner
+        ) from exc
+    if run.returncode != 0 or run.stdout.strip() != b"3":
+        said = (run.stderr or run.stdout).decode(errors="replace").strip()[-200:]
+        raise option_error(
+            "python",
+            python,
+            f"{accepted}; it exited with status {run.returncode}" + (f": {said}" if said else ""),
+            owner=owner,
+        )
+    return found
 
 
 def _describe_exit(code: int | None) -> str:
@@ -159,7 +192,8 @@ class LocalDispatcher(Dispatcher):
     Args:
         max_pending: unfinished tasks allowed before ``submit`` blocks.
         threads: ``torch.set_num_threads`` in the worker (None keeps torch's default).
-        python: the interpreter to run the worker with (default: this one).
+        python: the interpreter to run the worker with (default: this one); checked at
+            construction (it must exist and run as Python 3).
         env: extra environment variables for the worker.  Its ``PYTHONPATH`` lists this
             process's ``sys.path`` so the worker imports the same modules.
         start_timeout: seconds to wait for the worker's first sign of life in
@@ -202,7 +236,7 @@ class LocalDispatcher(Dispatcher):
             raise TypeError(
                 f"python must be a path to an interpreter (str) or None, got {python!r}"
             )
-        self.python = python or sys.executable
+        self.python = sys.executable if python is None else _check_python(python, owner)
         if env is not None and not (
             isinstance(env, Mapping)
             and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())

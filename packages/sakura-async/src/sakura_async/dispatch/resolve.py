@@ -7,7 +7,46 @@ from typing import Any
 
 from sakura_async.dispatch.base import Dispatcher
 
-__all__ = ["resolve_dispatcher"]
+__all__ = ["check_dispatcher", "resolve_dispatcher", "unknown_dispatcher"]
+
+_WHAT = (
+    "a sakura_async dispatcher (InThreadDispatcher, ThreadDispatcher, LocalDispatcher, "
+    "RemoteDispatcher, ClusterDispatcher), a dispatcher name such as 'thread' or 'process', "
+    "or None for a ThreadDispatcher"
+)
+
+
+def unknown_dispatcher(name: str) -> str | None:
+    """None when ``name`` is a registered dispatcher; else what is accepted instead: the
+    registered names and the nearest one (``"cluster, inthread, ...; did you mean
+    'thread'?"``)."""
+    from sakura.errors import nearest
+    from sakura.plugins import get_plugin_manager
+
+    registry = get_plugin_manager().registry("dispatcher")
+    if registry.find(name) is not None:
+        return None
+    names = registry.names()
+    hint = nearest(name, names)
+    return ", ".join(names) + (f"; did you mean {hint!r}?" if hint else "")
+
+
+def check_dispatcher(value: Any, *, option: str = "dispatcher", owner: str | None = None) -> None:
+    """Reject now what :func:`resolve_dispatcher` would reject when the service is
+    installed: a value of the wrong type (TypeError) or a name no installed plugin
+    registers (OptionError with the accepted names and the nearest one).  Nothing is built
+    and no worker starts."""
+    if value is None or isinstance(value, Dispatcher):
+        return
+    if not isinstance(value, str):
+        prefix = f"{owner}: " if owner else ""
+        raise TypeError(f"{prefix}{option} must be {_WHAT}; got {value!r}")
+    from sakura.options import option_error
+    from sakura.specs import parse_spec
+
+    accepted = unknown_dispatcher(parse_spec(value).name)
+    if accepted is not None:
+        raise option_error(option, value, f"a registered dispatcher: {accepted}", owner=owner)
 
 
 def resolve_dispatcher(value: Any, *, option: str = "dispatcher") -> tuple[Dispatcher, bool]:
@@ -28,13 +67,10 @@ def resolve_dispatcher(value: Any, *, option: str = "dispatcher") -> tuple[Dispa
     if isinstance(value, str):
         from sakura.plugins import get_plugin_manager
 
+        check_dispatcher(value, option=option)
         built = get_plugin_manager().create("dispatcher", value)
         if not isinstance(built, Dispatcher):
             raise TypeError(f"{option}={value!r} built a {type(built).__name__}, not a dispatcher")
         built.owned_by_service = True
         return built, True
-    raise TypeError(
-        f"{option} must be a sakura_async dispatcher (InThreadDispatcher, ThreadDispatcher, "
-        f"LocalDispatcher, RemoteDispatcher, ClusterDispatcher), a dispatcher name such as "
-        f"'thread' or 'process', or None for a ThreadDispatcher; got {value!r}"
-    )
+    raise TypeError(f"{option} must be {_WHAT}; got {value!r}")
