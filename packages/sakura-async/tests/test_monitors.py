@@ -63,6 +63,26 @@ def test_only_a_monitored_metric_makes_the_epoch_end_wait() -> None:
         rt.emit(OnTrainEnd, epoch=2, step=3)
 
 
+def test_a_result_at_its_own_epoch_end_carries_the_live_model(tmp_path: Path) -> None:
+    """AsyncCheckpoint(every="best") then saves the live (evaluated) weights directly."""
+    from sakura import OnTrainBegin
+    from sakura_async import AsyncCheckpoint, load_best
+
+    model = torch.nn.Linear(2, 1)
+    with SakuraRuntime(strict=True) as rt:
+        rt.install(AsyncEval(pattern_eval, dispatcher="inthread"))
+        ckpt = rt.install(AsyncCheckpoint(tmp_path, every="best", metric="val_loss"))
+        rt.emit(OnTrainBegin, model=model)
+        for epoch in range(EPOCHS):
+            with torch.no_grad():
+                model.weight.fill_(float(epoch))
+            rt.emit(OnEpochEnd, epoch=epoch, step=epoch + 1, model=model)
+        rt.emit(OnTrainEnd, epoch=EPOCHS - 1, step=EPOCHS, model=model)
+    best = load_best(tmp_path)
+    assert not ckpt.errors and best is not None and best.epoch == 1
+    assert torch.equal(best.state["model"]["weight"], torch.full((1, 2), 1.0))
+
+
 # --- Lightning -------------------------------------------------------------------------------
 
 pl = pytest.importorskip("lightning.pytorch")

@@ -26,10 +26,15 @@ to its dispatcher and returns; the next epoch trains while the evaluation runs.
 
 Results come back on the training thread, in epoch order, as ``OnValidationEnd`` events
 (``epoch`` and ``step`` of the evaluated epoch, ``model=None`` because the live model has
-moved on), and reach the framework's metrics (see :mod:`sakura_async.reporting`).  At most
+moved on; the live model when delivered at that epoch's own end), and reach the framework's metrics (see :mod:`sakura_async.reporting`).  At most
 ``max_pending`` evaluations are in flight: at an epoch end with that many unfinished, the
 training thread waits for the oldest.  Training end (``OnTrainEnd``) and the runtime's
-``drain`` wait for every evaluation, so the last one is never lost.  A failed evaluation
+``drain`` wait for every evaluation, so the last one is never lost.  When
+``OnEpochEnd.monitored`` names one of its metrics (an adapter puts there what the
+framework's early stopping, best-checkpoint and plateau monitors read right after the
+event), the service waits for that epoch's result before returning, so those monitors
+decide as with a synchronous evaluation; that epoch's evaluation then does not overlap
+the next epoch.  A failed evaluation
 (an exception in ``eval_fn``, a crashed worker) is delivered as ``OnError`` and training
 goes on.
 """
@@ -428,7 +433,10 @@ class AsyncEval(Service):
         # A monitor reads this epoch's result right after this event: wait for it, so it
         # decides as with a synchronous evaluation.  Otherwise deliver what is already done
         # (all of it with the in-thread dispatcher) and let the next epoch overlap the rest.
-        self._deliver(wait=self._monitored(getattr(event, "monitored", None) or ()))
+        # Delivered now, this epoch's result was computed from the live weights: its
+        # OnValidationEnd carries the model (AsyncCheckpoint "best" saves it directly).
+        monitored = self._monitored(getattr(event, "monitored", None) or ())
+        self._deliver(wait=monitored, live=(event.step, event.model))
 
     def _monitored(self, monitored: Collection[str]) -> bool:
         """Whether a monitor may read one of this service's metrics.  Until a result has
@@ -495,11 +503,11 @@ class AsyncEval(Service):
             return make_reporter(self._hf) if self._hf is not None else None
         return make_reporter(self.report_to)
 
-    def _deliver(self, *, wait: bool) -> None:
+    def _deliver(self, *, wait: bool, live: tuple[int, Any] = (-1, None)) -> None:
         while self._pending and (wait or self._pending[0].future.done()):
-            self._deliver_one(wait=True)
+            self._deliver_one(wait=True, live=live)
 
-    def _deliver_one(self, *, wait: bool) -> None:
+    def _deliver_one(self, *, wait: bool, live: tuple[int, Any] = (-1, None)) -> None:
         item = self._pending[0]
         if not wait and not item.future.done():
             return
@@ -538,7 +546,8 @@ class AsyncEval(Service):
                         OnError, step=item.step, epoch=item.epoch, exception=exc, source=self.name
                     )
         if rt is not None:
-            rt.emit(OnValidationEnd, step=item.step, epoch=item.epoch, model=None, metrics=metrics)
+            model = live[1] if item.step == live[0] else None  # None: the model moved on
+            rt.emit(OnValidationEnd, step=item.step, epoch=item.epoch, model=model, metrics=metrics)
 
     def __repr__(self) -> str:
         return (
