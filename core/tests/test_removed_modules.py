@@ -55,8 +55,11 @@ def test_other_names_are_left_to_the_real_finders() -> None:
     assert RemovedModuleFinder.find_spec("sakura.lightningx") is None
     assert RemovedModuleFinder.find_spec("lightning") is None
     assert RemovedModuleFinder.find_spec("sakura.services") is None
-    # Last on the meta path: real modules always win, and ordinary imports never ask it.
-    assert sys.meta_path[-1] is RemovedModuleFinder
+    # After the path finder on the meta path: real modules always win, and ordinary imports
+    # never ask it (other libraries may append finders after it).
+    from importlib.machinery import PathFinder
+
+    assert sys.meta_path.index(RemovedModuleFinder) > sys.meta_path.index(PathFinder)
     assert sys.meta_path.count(RemovedModuleFinder) == 1
     importlib.reload(sakura)
     assert sys.meta_path.count(RemovedModuleFinder) == 1

@@ -37,7 +37,8 @@ def test_one_line_per_event_with_scalar_fields_only(tmp_path: Path) -> None:
         "OnEpochEnd",
         "OnError",
     ]
-    assert set(lines[0]) == {"event", "rank", "step", "epoch", "time"}  # objects are never written
+    # objects are never written; scalars (accumulation_steps, None here) are
+    assert set(lines[0]) == {"event", "rank", "step", "epoch", "time", "accumulation_steps"}
     assert lines[1]["loss"] == 0.5 and lines[1]["batch_idx"] == 0 and "batch" not in lines[1]
     assert lines[2]["metrics"] == {"val_loss": 0.25, "note": "ok"}
     assert lines[3]["exception"] == "ValueError: bad" and lines[3]["source"] == "svc"
