@@ -177,3 +177,17 @@ def test_from_config_installs_by_spec(world: Any, tmp_path: Path) -> None:
     with rt:
         world.train(rt, epochs=2)
     assert sakura_async.load_latest(tmp_path).epoch == 1
+
+
+@pytest.mark.parametrize("service", ["AsyncEval", "AsyncCheckpoint"])
+def test_a_misspelt_dispatcher_name_is_rejected_at_construction(
+    service: str, tmp_path: Path
+) -> None:
+    from sakura.options import OptionError
+
+    with pytest.raises(OptionError, match=r"dispatcher='thred'.*thread") as caught:
+        if service == "AsyncEval":
+            AsyncEval(eval_fn=lambda epoch, payload: {}, dispatcher="thred")
+        else:
+            AsyncCheckpoint(dir=str(tmp_path), dispatcher="thred")
+    assert service in str(caught.value)

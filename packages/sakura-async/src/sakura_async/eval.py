@@ -54,7 +54,7 @@ from sakura.options import check_choice, check_int, option_error
 from sakura.runtime import SakuraRuntime
 from sakura_async._model import unwrap_model
 from sakura_async.dispatch.base import Dispatcher, TaskFuture
-from sakura_async.dispatch.resolve import resolve_dispatcher
+from sakura_async.dispatch.resolve import check_dispatcher, resolve_dispatcher
 from sakura_async.reporting import (
     Reporter,
     check_report_to,
@@ -292,8 +292,8 @@ class AsyncEval(Service):
                 f"{_OWNER}: state_provider={state_provider!r} is not accepted; accepted: a "
                 f"callable state_provider(model) -> state_dict"
             )
-        if not (dispatcher is None or isinstance(dispatcher, (str, Dispatcher))):
-            resolve_dispatcher(dispatcher)  # raises the descriptive TypeError
+        # A wrong type or a misspelt name fails here, not only at install.
+        check_dispatcher(dispatcher, owner=_OWNER)
         if name is not None and (not isinstance(name, str) or not name):
             raise option_error("name", name, "a non-empty string", owner=_OWNER)
         if name is not None:

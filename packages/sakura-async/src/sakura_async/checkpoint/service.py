@@ -45,7 +45,7 @@ from sakura_async._model import unwrap_model
 from sakura_async.checkpoint.formats import FORMATS
 from sakura_async.checkpoint.store import remove_stale_temporaries, write_checkpoint
 from sakura_async.dispatch.base import Dispatcher, TaskFuture
-from sakura_async.dispatch.resolve import resolve_dispatcher
+from sakura_async.dispatch.resolve import check_dispatcher, resolve_dispatcher
 from sakura_async.errors import CheckpointWriteError
 from sakura_async.reporting import lightning_trainer_of, output_dir_of
 from sakura_async.snapshot import Snapshot, SnapshotPool
@@ -254,8 +254,8 @@ class AsyncCheckpoint(Service):
             )
         self.overlap: bool = check_bool("overlap", overlap, owner=_OWNER)
         self.ranks: str = check_choice("ranks", ranks, ("zero", "all"), owner=_OWNER)
-        if not (dispatcher is None or isinstance(dispatcher, (str, Dispatcher))):
-            resolve_dispatcher(dispatcher)  # raises the descriptive TypeError
+        # A wrong type or a misspelt name fails here, not only at install.
+        check_dispatcher(dispatcher, owner=_OWNER)
         if name is not None and (not isinstance(name, str) or not name):
             raise option_error("name", name, "a non-empty string", owner=_OWNER)
         if name is not None:
