@@ -141,6 +141,7 @@ def test_specific_fields_are_the_dataclass_fields_beyond_the_common_ones() -> No
         "train_loader",
         "trainer",
         "accumulation_steps",
+        "loop",
     )
     assert specific_fields(OnOptimizerStep) == ("model", "optimizer", "skipped")
     assert specific_fields(Event) == ()
@@ -159,6 +160,7 @@ class OnTrainBeginWithExtra(Event):
     train_loader: Any = None
     trainer: Any = None
     accumulation_steps: int | None = None
+    loop: Any = None
     scheduler: Any = None
 
 
@@ -201,8 +203,8 @@ def test_checkers_report_a_field_dropped_from_the_docs() -> None:
     assert drifted != hooks_text
     assert hooks_md_drift(drifted, EVENT_TYPES) == [
         "hooks.md: on_train_begin fields "
-        "['model', 'optimizer', 'train_loader', 'accumulation_steps'] != "
-        "['model', 'optimizer', 'train_loader', 'trainer', 'accumulation_steps']"
+        "['model', 'optimizer', 'train_loader', 'accumulation_steps', 'loop'] != "
+        "['model', 'optimizer', 'train_loader', 'trainer', 'accumulation_steps', 'loop']"
     ]
 
 

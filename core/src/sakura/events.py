@@ -45,6 +45,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
+from sakura.loop import LoopContext
+
 __all__ = [
     "EVENT_TYPES",
     "Event",
@@ -175,7 +177,10 @@ class OnTrainBegin(Event):
     Trainer (a callback is not given the Trainer itself).  ``accumulation_steps``: the
     backward passes per optimizer step the loop is configured for (Lightning's
     ``accumulate_grad_batches``, the Trainer's ``gradient_accumulation_steps``), so a
-    service need not ask the user to repeat it; None when the loop did not say."""
+    service need not ask the user to repeat it; None when the loop did not say.  ``loop``:
+    the :class:`sakura.loop.LoopContext` the adapter publishes (output directory, the
+    framework's checkpoint, metric reporting, the wrapped model); services read what they
+    need there, never from ``trainer``, which is for user code that knows its framework."""
 
     hook: ClassVar[str] = "on_train_begin"
     model: Any = None
@@ -183,6 +188,7 @@ class OnTrainBegin(Event):
     train_loader: Any = None
     trainer: Any = None
     accumulation_steps: int | None = None
+    loop: LoopContext | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -37,6 +37,7 @@ _SKIP = frozenset(
         "batch",
         "train_loader",
         "trainer",
+        "loop",
         "outputs",
         "checkpoint",
     }
