@@ -14,6 +14,7 @@ a framework or looks one up.
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -31,16 +32,14 @@ def register_optimizer_proxy(cls: type, inner: str | Callable[[Any], Any]) -> No
     replaces its entry.  Subclasses of ``cls`` are proxies too."""
     if not isinstance(cls, type):
         raise TypeError(f"register_optimizer_proxy: cls must be a class, got {cls!r}")
+    getter: Callable[[Any], Any]
     if isinstance(inner, str):
         if not inner.isidentifier():
             raise ValueError(
                 f"register_optimizer_proxy: inner must be an attribute name or a callable, "
                 f"got {inner!r}"
             )
-        attribute = inner
-
-        def getter(proxy: Any) -> Any:
-            return getattr(proxy, attribute)
+        getter = operator.attrgetter(inner)
 
     elif callable(inner):
         getter = inner
