@@ -15,6 +15,10 @@ schedulers, Lightning, a GradScaler); sharding only attaches hooks to it:
 
 Outside ``step`` the param groups are the user's: same dict objects, same lists, same
 hyper-parameters, so schedulers, ``zero_grad`` and gradient clipping work unchanged.
+
+Long file: one class whose hooks share a single invariant (the param groups hold the
+full lists everywhere except between the step pre- and post-hook); split across files, a
+reader would have to hold them all at once to check it.
 """
 
 from __future__ import annotations

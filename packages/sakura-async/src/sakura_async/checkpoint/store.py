@@ -25,6 +25,11 @@ manifest is intact, lists the state file, and names the same step and epoch as t
 directory.  Loaders (:func:`load_latest`, :func:`load_best`) also check every file against
 its size and SHA-256, and skip anything incomplete or corrupt with a warning; a state file
 that matches its checksums but does not decode (a forged checkpoint) is skipped the same way.
+
+Long file: one on-disk protocol (write, writer lock, retention, scan, verify, load) whose
+crash-safety invariants interlock: retention counts what the scan verifies, the cleaner
+trusts the writer's lock, loaders re-scan what retention removes. Kept together so one
+crash case can be checked in one place.
 """
 
 from __future__ import annotations
