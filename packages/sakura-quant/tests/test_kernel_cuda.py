@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from sakura.native_cuda import find_nvcc
 from sakura_quant import _kernel
 from sakura_quant.formats.nf4 import kernel_arguments
 from sakura_quant.weights import dequantize_weight, quantize_weight
+from sakura_torch.native_cuda import find_nvcc
 
 EXPORTS = {
     "sakura_quant_cuda_abi_version",

@@ -1,8 +1,8 @@
 """Finding the repeated block stack of a model: ``ActivationCheckpoint`` checkpoints these
 blocks and ``Compile(target="blocks")`` compiles them one by one.
 
-The selection itself is the core's :mod:`sakura.blocks` (one implementation for every
-package, so ``blocks=`` means the same everywhere); this module re-exports it, with the
+The selection itself is sakura-torch's :mod:`sakura_torch.blocks` (one implementation for
+every package, so ``blocks=`` means the same everywhere); this module re-exports it, with the
 type of a selector.
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from sakura.blocks import describe_selector, find_blocks, validate_selector
+from sakura_torch.blocks import describe_selector, find_blocks, validate_selector
 
 __all__ = ["BlockSelector", "describe_selector", "find_blocks", "validate_selector"]
 

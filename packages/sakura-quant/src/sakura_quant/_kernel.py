@@ -1,5 +1,5 @@
-"""The native NF4 kernels, declared once on :class:`sakura.native.NativeLibrary` (which
-builds, caches, checks and falls back; see ``docs/helpers.md``).
+"""The native NF4 kernels, declared once on :class:`sakura_torch.native.NativeLibrary`
+(which builds, caches, checks and falls back; see ``docs/helpers.md``).
 
 * ``csrc/nf4_cpu.cpp``: quantize and dequantize on the CPU, built with
   ``torch.utils.cpp_extension`` on first use.
@@ -17,8 +17,8 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
-from sakura.native import NativeLibrary
-from sakura.native_cuda import CudaLibrary
+from sakura_torch.native import NativeLibrary
+from sakura_torch.native_cuda import CudaLibrary
 
 __all__ = [
     "BAD_ARGUMENTS",

@@ -1,5 +1,5 @@
-"""sakura.native_cuda: a real .cu source compiled with nvcc (no GPU needed for that), its
-ABI checked through ctypes; without a CUDA device load() is None quietly."""
+"""sakura_torch.native_cuda: a real .cu source compiled with nvcc (no GPU needed for that),
+its ABI checked through ctypes; without a CUDA device load() is None quietly."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sakura.native_cuda import CudaLibrary, compile_cuda, find_nvcc, nvcc_version
+from sakura_torch.native_cuda import CudaLibrary, compile_cuda, find_nvcc, nvcc_version
 
 torch = pytest.importorskip("torch")
 

@@ -1,5 +1,5 @@
-"""sakura.native: a real C++ source compiled with torch's cpp_extension, cached, loaded
-through ctypes; ABI checks, the disabling variable and the warned-once fallback."""
+"""sakura_torch.native: a real C++ source compiled with torch's cpp_extension, cached,
+loaded through ctypes; ABI checks, the disabling variable and the warned-once fallback."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ pytest.importorskip("torch")
 if shutil.which("c++") is None and shutil.which("g++") is None:
     pytest.skip("no C++ compiler", allow_module_level=True)
 
-from sakura.native import NativeLibrary, cpu_tag
+from sakura_torch.native import NativeLibrary, cpu_tag
 
 SOURCE = """
 extern "C" int t_abi(void) { return 3; }

@@ -1,4 +1,4 @@
-"""sakura.blocks: the one block-stack selection every package uses."""
+"""sakura_torch.blocks: the one block-stack selection every package uses."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from sakura.options import OptionError
 torch = pytest.importorskip("torch")
 nn = torch.nn
 
-from sakura.blocks import describe_selector, find_blocks, validate_selector  # noqa: E402
+from sakura_torch.blocks import describe_selector, find_blocks, validate_selector  # noqa: E402
 
 
 class Block(nn.Module):
@@ -71,5 +71,5 @@ def test_bad_selectors_name_the_option() -> None:
 
 
 def test_importing_it_does_not_import_torch() -> None:
-    code = "import sys, sakura.blocks; assert 'torch' not in sys.modules"
+    code = "import sys, sakura_torch.blocks; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
