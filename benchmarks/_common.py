@@ -1,13 +1,48 @@
-"""Helpers shared by the benchmarks (the overhead ones' services and summaries; the memory
-ones' ``/proc/self/status`` reader); ``nox -s bench`` skips ``_``-prefixed files, so this
-one only runs through them."""
+"""Helpers shared by the benchmarks that are not statistics (those are
+``sakura_bench.measure``'s: summaries, ratios, interleaved trials, load and CPU notes):
+the overhead ones' no-op services, thread pinning and verdicts, the memory ones'
+``/proc/self/status`` reader, and a JSON writer that knows ``measure.Summary``.
+``nox -s bench`` skips ``_``-prefixed files, so this one only runs through them."""
 
 from __future__ import annotations
 
-import statistics
+import json
+import os
+from pathlib import Path
 from typing import Any
 
-__all__ = ["make_noop_services", "require_status_kib", "status_kib", "summary", "verdict"]
+__all__ = [
+    "make_noop_services",
+    "overhead_row",
+    "overhead_row_text",
+    "pin_threads",
+    "require_status_kib",
+    "status_kib",
+    "verdict",
+    "write_json",
+]
+
+
+def pin_threads(threads: int) -> None:
+    """Pin BLAS/OpenMP to ``threads`` threads; must run before torch is imported (Lightning
+    also leaves torch's thread count alone when OMP_NUM_THREADS is set)."""
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[var] = str(threads)
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "as_dict"):  # sakura_bench.measure.Summary
+        return value.as_dict()
+    if isinstance(value, (Path, set, frozenset, tuple)):
+        return str(value) if isinstance(value, Path) else list(value)
+    raise TypeError(f"not JSON-serialisable: {type(value).__name__}")
+
+
+def write_json(path: str | os.PathLike[str], data: Any) -> None:
+    """``data`` as indented JSON at ``path`` (its folder made); summaries as their dicts."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n", encoding="utf-8")
 
 
 def status_kib(field: str) -> int | None:
@@ -65,19 +100,24 @@ def make_noop_services(count: int) -> list[Any]:
     return [NoopService(f"noop{i}") for i in range(count)]
 
 
-def summary(label: str, per_trial: list[float], ratios: list[float]) -> dict[str, Any]:
-    q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
+def overhead_row(label: str, per_trial_s: list[float], reference_s: list[float]) -> dict[str, Any]:
+    """A row of the overhead benchmarks' tables: a variant's time per step over the trials
+    (microseconds) and its per-trial ratio to the reference's time in the same trial."""
+    from sakura_bench.measure import ratio_summary, summary
+
     return {
         "label": label,
-        "median_us_per_step": statistics.median(per_trial) * 1e6,
-        "ratio_median": statistics.median(ratios),
-        "ratio_min": min(ratios),
-        "ratio_max": max(ratios),
-        "ratio_q1": q[0],
-        "ratio_q3": q[2],
-        "per_trial_us": [t * 1e6 for t in per_trial],
-        "per_trial_ratio": ratios,
+        "us_per_step": summary(per_trial_s).scaled(1e6),
+        "ratio": ratio_summary(per_trial_s, reference_s),
     }
+
+
+def overhead_row_text(row: dict[str, Any], width: int) -> str:
+    """``label  us/step  ratio (IQR, min-max)`` of an :func:`overhead_row`."""
+    return (
+        f"   {row['label']:<{width}} {row['us_per_step'].median:>9.1f}  "
+        f"{row['ratio'].format(4, iqr=True)}"
+    )
 
 
 def verdict(ok: bool) -> str:

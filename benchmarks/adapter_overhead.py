@@ -25,7 +25,8 @@ callback: it reads the clock when step ``W`` begins and when step ``W + N`` begi
 covers ``N`` whole steps including every hook of the adapter, and excludes the Trainer's
 construction, setup, the ``W`` warm-up steps and the end of training.
 
-Within a trial each variant runs ``--rounds`` times, interleaved (A B C D, B C D A, ...),
+Within a trial each variant runs ``--rounds`` times, interleaved (A B C D, B C D A, ...:
+``sakura_bench.measure.interleaved``),
 so drift in machine speed hits the variants alike.  A trial's time of a variant is its
 fastest run (on a shared machine other processes come in bursts of seconds and only ever
 slow a run down); each trial's ratio divides by the vanilla time of the same trial.  The
@@ -51,9 +52,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import logging
-import os
 import platform
 import sys
 import tempfile
@@ -63,7 +62,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from _common import make_noop_services, summary, verdict
+from _common import (
+    make_noop_services,
+    overhead_row,
+    overhead_row_text,
+    pin_threads,
+    verdict,
+    write_json,
+)
+
+from sakura_bench.measure import interleaved, load_average, machine_note, versions
 
 N_SERVICES = 8
 WINDOW = 20  # steps per stretch in the isolated measurement
@@ -85,13 +93,6 @@ HF_VARIANTS = (
 )
 TARGET_KEYS = ("empty", "8noop")
 FRAMEWORKS = {"lightning": "Lightning", "hf": "Hugging Face"}
-
-
-def _thread_env(threads: int) -> None:
-    """Pin BLAS/OpenMP threads; must run before torch is imported (Lightning also leaves
-    torch's thread count alone when OMP_NUM_THREADS is set)."""
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-        os.environ[var] = str(threads)
 
 
 def _quiet() -> None:
@@ -404,37 +405,39 @@ def _freeze_heap() -> None:
     gc.freeze()
 
 
-def _rotated(keys: Sequence[str], shift: int) -> list[str]:
-    shift %= len(keys)
-    return [*keys[shift:], *keys[:shift]]
-
-
 def interleaved_trials(
     run: Run, keys: Sequence[str], args: argparse.Namespace, steps: int, name: str
 ) -> dict[str, dict[str, list[list[float]]]]:
     """Seconds per step of every run, ``{field: {variant: [[per round] per trial]}}`` for
     the fields wall, cpu and window (the run's fastest ``WINDOW``-step stretch).
     Each trial runs every variant ``args.rounds`` times, interleaved, the order rotating by
-    one every round (and every trial)."""
+    one every round; a run's seed is its trial's number."""
     per_round = max(1, steps // args.rounds)
+    rounds = args.rounds
     fields = (*CLOCKS, "window")
-    runs: dict[str, dict[str, list[list[float]]]] = {f: {k: [] for k in keys} for f in fields}
-    for trial in range(args.trials):
-        for field in fields:
-            for key in keys:
-                runs[field][key].append([])
-        for rnd in range(args.rounds):
-            for key in _rotated(keys, trial + rnd):
-                for field, value in zip(
-                    fields, run(key, per_round, args.warmup, trial), strict=True
-                ):
-                    runs[field][key][-1].append(value)
-        if args.verbose:
+
+    def contender(key: str) -> Callable[[int], tuple[float, float, float]]:
+        return lambda i: run(key, per_round, args.warmup, i // rounds)
+
+    done: dict[str, list[tuple[float, float, float]]] = {k: [] for k in keys}
+
+    def progress(i: int, results: dict[str, tuple[float, float, float]]) -> None:
+        for k in keys:
+            done[k].append(results[k])
+        if args.verbose and (i + 1) % rounds == 0:
             line = "  ".join(
-                f"{k}=" + "/".join(f"{t * 1e6:.0f}" for t in runs["wall"][k][-1]) for k in keys
+                f"{k}=" + "/".join(f"{r[0] * 1e6:.0f}" for r in done[k][-rounds:]) for k in keys
             )
-            print(f"  {name} trial {trial + 1}/{args.trials}: {line} us/step", flush=True)
-    return runs
+            print(f"  {name} trial {i // rounds + 1}/{args.trials}: {line} us/step", flush=True)
+
+    flat = interleaved({k: contender(k) for k in keys}, args.trials * rounds, on_trial=progress)
+    return {
+        field: {
+            k: [[r[f] for r in flat[k][t * rounds : (t + 1) * rounds]] for t in range(args.trials)]
+            for k in keys
+        }
+        for f, field in enumerate(fields)
+    }
 
 
 def isolated_costs(
@@ -442,13 +445,13 @@ def isolated_costs(
 ) -> dict[str, dict[str, float]]:
     """Seconds per step, ``{clock: {variant: s}}``, over interleaved repeats: for the wall
     clock the fastest ``WINDOW``-step stretch of any run, for CPU time the fastest run."""
-    best = {c: dict.fromkeys(keys, float("inf")) for c in CLOCKS}
-    for rep in range(repeats):
-        for key in _rotated(keys, rep):
-            _, cpu, window = run(key, steps, warmup, 0)
-            best["wall"][key] = min(best["wall"][key], window)
-            best["cpu"][key] = min(best["cpu"][key], cpu)
-    return best
+    runs = interleaved(
+        {key: lambda _, key=key: run(key, steps, warmup, 0) for key in keys}, repeats
+    )
+    return {
+        "wall": {key: min(window for _, _, window in r) for key, r in runs.items()},
+        "cpu": {key: min(cpu for _, cpu, _ in r) for key, r in runs.items()},
+    }
 
 
 def framework_benchmark(
@@ -470,14 +473,8 @@ def framework_benchmark(
         # A trial's time of a variant: its least disturbed run (other processes only ever
         # slow a run down).
         per_trial = {key: [min(rounds) for rounds in runs[clock][key]] for key in keys}
-        vanilla = per_trial["vanilla"]
         results[clock] = {
-            key: summary(
-                labels[key],
-                per_trial[key],
-                [t / v for t, v in zip(per_trial[key], vanilla, strict=True)],
-            )
-            for key in keys
+            key: overhead_row(labels[key], per_trial[key], per_trial["vanilla"]) for key in keys
         }
     out: dict[str, Any] = {
         "trials": args.trials,
@@ -507,7 +504,7 @@ def framework_benchmark(
                 real = (
                     real_step
                     if clock == "wall"
-                    else results[clock]["vanilla"]["median_us_per_step"]
+                    else results[clock]["vanilla"]["us_per_step"].median
                 )
                 entry[clock] = {
                     "min_us_per_step": best[clock][key] * 1e6,
@@ -529,11 +526,12 @@ def framework_benchmark(
 
 def _noise_note(entry: dict[str, Any], control: dict[str, Any]) -> str:
     """Whether a ratio's IQR stands clear of the A/A control's IQR (and of 1.0)."""
-    lo = min(control["ratio_q1"], 1.0)
-    hi = max(control["ratio_q3"], 1.0)
-    if entry["ratio_q1"] <= hi and entry["ratio_q3"] >= lo:
+    ratio, noise = entry["ratio"], control["ratio"]
+    lo = min(noise.q1, 1.0)
+    hi = max(noise.q3, 1.0)
+    if ratio.q1 <= hi and ratio.q3 >= lo:
         return "within noise"
-    return "above noise" if entry["ratio_median"] > 1.0 else "below, beyond noise"
+    return "above noise" if ratio.median > 1.0 else "below, beyond noise"
 
 
 def print_report(report: dict[str, Any]) -> None:
@@ -543,12 +541,10 @@ def print_report(report: dict[str, Any]) -> None:
     print(
         f"python {env['python']}, torch {env['torch']}, lightning {env['lightning']}, "
         f"transformers {env['transformers']}, accelerate {env['accelerate']}, sakura "
-        f"{env['sakura']}, sakura-adapters {env['sakura_adapters']}"
+        f"{env['sakura-core']}, sakura-adapters {env['sakura-adapters']}; torch threads "
+        f"{env['torch_threads']}"
     )
-    print(
-        f"torch threads {env['torch_threads']}, {env['cpus']} CPUs; load average "
-        f"{env['loadavg_start']} at the start, {env['loadavg_end']} at the end"
-    )
+    print(env["machine"])
     models = {
         "lightning": "MLP 784-256-10, batch 64 (pre-batched), SGD",
         "hf": report["hf_model_description"],
@@ -565,19 +561,16 @@ def print_report(report: dict[str, Any]) -> None:
         )
         wall, cpu = res["clocks"]["wall"], res["clocks"]["cpu"]
         header = (
-            f"   {'variant':<38} {'us/step':>8} {'ratio':>7}  {'IQR':>15}  {'min-max':>15}"
-            f"  {'CPU ratio':>9}  noise?"
+            f"   {'variant':<38} {'us/step':>9}  {'ratio (IQR, min-max)':<55}  "
+            f"{'CPU ratio':>9}  noise?"
         )
         print(header)
         print("   " + "-" * (len(header) - 3))
         for key, entry in wall.items():
             note = "" if key in ("vanilla", "control") else _noise_note(entry, wall["control"])
             print(
-                f"   {entry['label']:<38} {entry['median_us_per_step']:>8.1f} "
-                f"{entry['ratio_median']:>7.4f}  "
-                f"{entry['ratio_q1']:>7.4f}-{entry['ratio_q3']:<7.4f}  "
-                f"{entry['ratio_min']:>7.4f}-{entry['ratio_max']:<7.4f}  "
-                f"{cpu[key]['ratio_median']:>9.4f}  {note}".rstrip()
+                f"{overhead_row_text(entry, 38):<{len(header) - 19}}"
+                f"{cpu[key]['ratio'].median:>9.4f}  {note}".rstrip()
             )
         print(
             "   us/step: median over trials of a trial's fastest run (wall clock).  ratio: that "
@@ -631,11 +624,9 @@ def evaluate_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
             targets.append(
                 {
                     "name": f"{title}: {entry['label']}, median ratio",
-                    "met": entry["ratio_median"] <= TARGET,
-                    "value": f"{entry['ratio_median']:.4f} (IQR {entry['ratio_q1']:.4f}-"
-                    f"{entry['ratio_q3']:.4f}; A/A control {control['ratio_median']:.4f}, "
-                    f"IQR {control['ratio_q1']:.4f}-{control['ratio_q3']:.4f}; "
-                    f"{_noise_note(entry, control)})",
+                    "met": entry["ratio"].median <= TARGET,
+                    "value": f"{entry['ratio'].format(4, iqr=True)}; A/A control "
+                    f"{control['ratio'].format(4, iqr=True)}; {_noise_note(entry, control)}",
                 }
             )
             iso = res.get("isolated")
@@ -655,37 +646,21 @@ def evaluate_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     return targets
 
 
-def _loadavg() -> str:
-    """The 1, 5 and 15 minute load averages (other processes compete for the CPUs)."""
-    if not hasattr(os, "getloadavg"):
-        return "n/a"
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
-def environment(load_start: str) -> dict[str, Any]:
-    import importlib.metadata as md
-
+def environment(load_start: tuple[float, float, float] | None) -> dict[str, Any]:
+    """Versions, threads, and the machine: CPU (model, flags) and the load average at the
+    start and at the end (other processes compete for the CPUs)."""
     import torch
 
-    def version(dist: str) -> str:
-        try:
-            return md.version(dist)
-        except md.PackageNotFoundError:
-            return "not installed"
-
+    installed = versions(
+        ("lightning", "transformers", "accelerate", "sakura-core", "sakura-adapters")
+    )
     return {
         "python": platform.python_version(),
         "platform": platform.platform(),
         "torch": torch.__version__,
-        "lightning": version("lightning"),
-        "transformers": version("transformers"),
-        "accelerate": version("accelerate"),
-        "sakura": version("sakura-core"),
-        "sakura_adapters": version("sakura-adapters"),
+        **{name: version or "not installed" for name, version in installed.items()},
         "torch_threads": torch.get_num_threads(),
-        "cpus": os.cpu_count(),
-        "loadavg_start": load_start,
-        "loadavg_end": _loadavg(),
+        "machine": machine_note(load_start),
     }
 
 
@@ -749,7 +724,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    _thread_env(args.threads)
+    pin_threads(args.threads)
     import torch
 
     torch.set_num_threads(args.threads)
@@ -757,7 +732,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.trials < 7 and not args.quick:
         print(f"note: {args.trials} trials; the report needs >= 7", file=sys.stderr)
     started = time.perf_counter()
-    load_start = _loadavg()
+    load_start = load_average()
     report: dict[str, Any] = {"quick": args.quick, "hf_model": args.hf_model}
     report["hf_model_description"] = {
         "mlp": "MLP 784-256-10 as an nn.Module, batch 64 (Trainer's DataLoader), SGD",
@@ -792,8 +767,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_report(report)
     print(f"({report['wall_s']:.0f} s)")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        write_json(args.json, report)
         print(f"wrote {args.json}")
     return 0
 

@@ -2,7 +2,7 @@
 
 An MLP workload whose per-epoch evaluation costs about as much as its training epoch (the
 number of validation batches is calibrated on this machine so that it does), run three
-ways in one process, trials interleaved:
+ways in one process, trials interleaved (``sakura_bench.measure.interleaved``):
 
 * ``sync``     the baseline: the loop evaluates at each epoch end, then trains on;
 * ``thread``   AsyncEval + ThreadDispatcher (a background thread of this process);
@@ -13,7 +13,8 @@ training process and ``threads=T`` in the worker (``--threads``, default 1).  Th
 started and ready before the timed region (in real use it starts while the first epoch
 trains); its start-up time is reported separately.
 
-Reported: the median wall time per mode with its spread, the speedup over ``sync``, and the
+Reported: the median wall time per mode with its spread, the speedup over ``sync`` (the
+median of the per-trial ratios, with their spread), and the
 ideal bound ``(train + eval) / max(train, eval)`` from the measured per-epoch times, plus the
 bound for this number of epochs (the last evaluation cannot overlap anything).  Every mode's
 validation metrics must equal the baseline's exactly (checked).
@@ -24,16 +25,21 @@ validation metrics must equal the baseline's exactly (checked).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
 import sys
 import time
 from typing import Any
 
 import torch
+from _common import write_json
 
 from sakura import OnEpochEnd, OnTrainBegin, OnTrainEnd, SakuraRuntime
+from sakura_bench.measure import (
+    interleaved,
+    load_average,
+    machine_note,
+    ratio_summary,
+    summary,
+)
 
 IN, HIDDEN, OUT = 784, 512, 10
 TRAIN_BATCH, VAL_BATCH = 64, 512
@@ -153,10 +159,6 @@ def calibrate(threads: int, target_epoch_s: float) -> tuple[int, int]:
     return train_batches, val_batches
 
 
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.3f} s (min {min(values):.3f}, max {max(values):.3f})"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=5)
@@ -174,13 +176,13 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     from sakura_async.dispatch import LocalDispatcher, ThreadDispatcher
 
+    load_before = load_average()
     train_batches, val_batches = calibrate(args.threads, args.epoch_seconds)
     data, val = make_train(train_batches), make_val(val_batches)
     print(
         f"# AsyncEval benchmark: MLP {IN}-{HIDDEN}-{HIDDEN}-{OUT}, {train_batches} train batches of "
         f"{TRAIN_BATCH} / epoch, {val_batches} val batches of {VAL_BATCH}, {args.epochs} epochs, "
-        f"{args.trials} trials, torch threads {args.threads} (per process), "
-        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start"
+        f"{args.trials} trials, torch threads {args.threads} (per process)\n# {machine_note()}"
     )
     dispatchers: dict[str, Any] = {}
     if "thread" in modes:
@@ -193,15 +195,17 @@ def main() -> int:
             f"# worker start-up (spawn + import torch), not timed below: {time.perf_counter() - t:.2f} s"
         )
         dispatchers["process"] = local
-    results: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
-    for trial in range(args.trials):
-        for mode in modes:
-            results[mode].append(run(mode, args.epochs, data, val, dispatchers.get(mode)))
-        print(
-            f"# trial {trial + 1}: "
-            + ", ".join(f"{m} {results[m][-1]['wall_s']:.2f} s" for m in modes),
+    results = interleaved(
+        {
+            mode: lambda _, mode=mode: run(mode, args.epochs, data, val, dispatchers.get(mode))
+            for mode in modes
+        },
+        args.trials,
+        on_trial=lambda trial, r: print(
+            f"# trial {trial + 1}: " + ", ".join(f"{m} {r[m]['wall_s']:.2f} s" for m in modes),
             flush=True,
-        )
+        ),
+    )
     for d in dispatchers.values():
         d.close()
 
@@ -214,10 +218,10 @@ def main() -> int:
                 )
                 return 1
     out: dict[str, Any] = {"modes": {}}
-    base = statistics.median(r["wall_s"] for r in results["sync"]) if "sync" in results else None
+    base = [r["wall_s"] for r in results["sync"]] if "sync" in results else None
     if "sync" in results:
-        train = statistics.median(r["train_s"] for r in results["sync"]) / args.epochs
-        ev = statistics.median(r["eval_s"] for r in results["sync"]) / args.epochs
+        train = summary(r["train_s"] for r in results["sync"]).median / args.epochs
+        ev = summary(r["eval_s"] for r in results["sync"]).median / args.epochs
         ideal = (train + ev) / max(train, ev)
         n = args.epochs
         ideal_n = n * (train + ev) / (n * max(train, ev) + min(train, ev))
@@ -228,25 +232,28 @@ def main() -> int:
         )
         out.update(train_epoch_s=train, eval_epoch_s=ev, ideal=ideal, ideal_for_epochs=ideal_n)
     print(
-        "| mode | wall time (median, min, max) | speedup vs sync | % of ideal | % of ideal for N epochs |"
+        "| mode | wall time, median (min-max) | speedup vs sync, per-trial median (min-max) "
+        "| % of ideal | % of ideal for N epochs |"
     )
     print("|---|---|---|---|---|")
     for mode in modes:
-        walls = [r["wall_s"] for r in results[mode]]
-        row = {"wall_s": walls}
+        walls = summary(r["wall_s"] for r in results[mode])
+        row: dict[str, Any] = {"wall_s": walls}
         if base is not None:
-            speedup = base / statistics.median(walls)
-            row.update(speedup=speedup, of_ideal=speedup / ideal, of_ideal_n=speedup / ideal_n)
+            speedup = ratio_summary(base, walls.values)
+            of_ideal, of_ideal_n = speedup.median / ideal, speedup.median / ideal_n
+            row.update(speedup=speedup, of_ideal=of_ideal, of_ideal_n=of_ideal_n)
             print(
-                f"| {mode} | {spread(walls)} | {speedup:.3f}x | {100 * speedup / ideal:.0f} % | {100 * speedup / ideal_n:.0f} % |"
+                f"| {mode} | {walls.format(3, ' s')} | {speedup.format(3, 'x')} "
+                f"| {100 * of_ideal:.0f} % | {100 * of_ideal_n:.0f} % |"
             )
         else:
-            print(f"| {mode} | {spread(walls)} | | | |")
+            print(f"| {mode} | {walls.format(3, ' s')} | | | |")
         out["modes"][mode] = row
     print("\nvalidation metrics identical to the synchronous evaluation in every trial: yes")
+    print(f"# {machine_note(load_before)}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.json, out)
     return 0
 
 

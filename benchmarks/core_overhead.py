@@ -12,9 +12,9 @@ Two measurements, both side by side in one run:
    same 7 events built and handed to the same 8 handlers by plain ``for`` loops, with no
    runtime, the least any event bus can cost.  The variants share one
    model and optimizer and are interleaved in short chunks within each trial
-   (A B C D ... A B C D ...), so drift in machine speed hits them alike; each trial's ratio
-   uses the raw time of that same trial.  The median ratio over the trials is reported with
-   its spread.  Because a 1 % difference is close to the noise of a shared machine, the
+   (A B C D ..., B C D A ..., ``sakura_bench.measure.interleaved``), so drift in machine
+   speed hits them alike; each trial's ratio uses the raw time of that same trial.  The
+   median ratio over the trials is reported with its IQR and min-max.  Because a 1 % difference is close to the noise of a shared machine, the
    integration's own cost is also measured in isolation (the same loop with no-op stand-ins
    for the model, loss and optimizer), which gives the overhead in microseconds per step
    without the noise of the tensor work.
@@ -35,10 +35,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -48,7 +45,23 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from _common import make_noop_services, summary, verdict
+from _common import (
+    make_noop_services,
+    overhead_row,
+    overhead_row_text,
+    pin_threads,
+    verdict,
+    write_json,
+)
+
+from sakura_bench.measure import (
+    interleaved,
+    load_average,
+    machine_note,
+    ratio_summary,
+    rotated,
+    versions,
+)
 
 # The per-step events a loop emits, in order (docs/events.md).
 PER_STEP_EVENTS = (
@@ -66,12 +79,6 @@ DISPATCH_TARGET = 1.3  # rt.emit: within 1.3x the hand-written loop
 
 # Figures quoted in the issue, for reference only (another machine).
 ISSUE_REFERENCE_US = {"hand-written loop": 0.26, "pluggy": 2.26, "lightning": 11.8, "raw step": 650}
-
-
-def _single_thread_env() -> None:
-    """Pin BLAS/OpenMP to one thread; must run before torch is imported."""
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-        os.environ[var] = "1"
 
 
 # --- the loops ----------------------------------------------------------------------------
@@ -328,22 +335,23 @@ def step_benchmark(args: argparse.Namespace, tmpdir: Path) -> dict[str, Any]:
                 v.end_epoch(model, opt)
             for v in variants:
                 v.begin_epoch(model)
-            totals = dict.fromkeys(times, 0)
             gc.collect()
-            # Rotate the order each trial so no variant always follows the same one.
-            order = variants[trial % len(variants) :] + variants[: trial % len(variants)]
-            for _ in range(rounds):
-                for v in order:
-                    t0 = time.perf_counter_ns()
-                    v.run(model, loss_fn, opt, data, chunk)
-                    totals[v.key] += time.perf_counter_ns() - t0
+            # The chunks interleaved; the first variant of the rotation moves every trial
+            # too, so no variant always follows the same one.
+            chunks = interleaved(
+                {
+                    v.key: _chunk(v, model, loss_fn, opt, data, chunk)
+                    for v in rotated(variants, trial)
+                },
+                rounds,
+            )
             for v in variants:
                 t0 = time.perf_counter_ns()
                 v.end_epoch(model, opt)
                 if v.key == "telemetry":
                     flush.append((time.perf_counter_ns() - t0) / 1e9 / steps)
-            for key, total in totals.items():
-                times[key].append(total / 1e9 / steps)
+            for key, ns in chunks.items():
+                times[key].append(sum(ns) / 1e9 / steps)
             if args.verbose:
                 line = "  ".join(f"{k}={times[k][-1] * 1e6:.0f}" for k in times)
                 print(f"  trial {trial + 1}/{args.trials}: {line} us/step", flush=True)
@@ -354,18 +362,12 @@ def step_benchmark(args: argparse.Namespace, tmpdir: Path) -> dict[str, Any]:
     raw = times["raw"]
     results: dict[str, Any] = {}
     for key, per_trial in times.items():
-        ratios = [t / r for t, r in zip(per_trial, raw, strict=True)]
-        results[key] = summary(labels[key], per_trial, ratios)
+        results[key] = overhead_row(labels[key], per_trial, raw)
     for key in ("8noop", "8noop-nohist"):  # sakura against the hand-written control
-        vs_hand = [t / h for t, h in zip(times[key], times["hand"], strict=True)]
-        results[key]["vs_hand_median"] = statistics.median(vs_hand)
-        results[key]["vs_hand_min"] = min(vs_hand)
-        results[key]["vs_hand_max"] = max(vs_hand)
+        results[key]["vs_hand"] = ratio_summary(times[key], times["hand"])
     with_flush = [t + f for t, f in zip(times["telemetry"], flush, strict=True)]
-    results["telemetry+flush"] = summary(
-        "(c) Telemetry incl. the write at OnEpochEnd",
-        with_flush,
-        [t / r for t, r in zip(with_flush, raw, strict=True)],
+    results["telemetry+flush"] = overhead_row(
+        "(c) Telemetry incl. the write at OnEpochEnd", with_flush, raw
     )
     return {
         "steps_per_trial": steps,
@@ -375,6 +377,19 @@ def step_benchmark(args: argparse.Namespace, tmpdir: Path) -> dict[str, Any]:
         "telemetry_lines_written": telemetry_lines,
         "variants": results,
     }
+
+
+def _chunk(
+    v: Variant, model: Any, loss_fn: Any, opt: Any, data: Sequence[Any], n: int
+) -> Callable[[int], int]:
+    """A contender of :func:`interleaved`: ``n`` steps of ``v``, in nanoseconds."""
+
+    def run(_: int) -> int:
+        t0 = time.perf_counter_ns()
+        v.run(model, loss_fn, opt, data, n)
+        return time.perf_counter_ns() - t0
+
+    return run
 
 
 # --- the integration's cost in isolation ----------------------------------------------------
@@ -425,17 +440,24 @@ def isolated_overhead(args: argparse.Namespace, tmpdir: Path) -> dict[str, Any]:
     n = 500 if args.quick else 1_000
     repeat = 8 if args.quick else 40
     out: dict[str, Any] = {}
+
+    def epoch(v: Variant) -> Callable[[int], float]:
+        def run(_: int) -> float:
+            t0 = time.perf_counter_ns()
+            v.begin_epoch(model)
+            v.run(model, loss_fn, opt, data, n)
+            v.end_epoch(model, opt)
+            return (time.perf_counter_ns() - t0) / 1e9 / n
+
+        return run
+
     with ExitStack() as stack:
         variants = build_variants(stack, tmpdir / "telemetry-isolated.jsonl")
-        best = {v.key: float("inf") for v in variants}
-        for _ in range(repeat):
-            gc.collect()
-            for v in variants:
-                t0 = time.perf_counter_ns()
-                v.begin_epoch(model)
-                v.run(model, loss_fn, opt, data, n)
-                v.end_epoch(model, opt)
-                best[v.key] = min(best[v.key], (time.perf_counter_ns() - t0) / 1e9 / n)
+        gc.collect()
+        runs = interleaved(
+            {v.key: epoch(v) for v in variants}, repeat, on_trial=lambda *_: gc.collect()
+        )
+        best = {key: min(per_repeat) for key, per_repeat in runs.items()}
         for v in variants:
             out[v.key] = {
                 "label": v.label,
@@ -464,10 +486,14 @@ def _time_per_event(
                 break
             number = max(number * 2, int(number * chunk_s / max(elapsed, 1e-9) * 1.1))
         timers.append((key, timer, number))
-    best = {key: float("inf") for key, _ in cases}
-    for _ in range(rounds):
-        for key, timer, number in timers:
-            best[key] = min(best[key], timer.timeit(number) / number)
+    runs = interleaved(
+        {
+            key: lambda _, timer=timer, number=number: timer.timeit(number) / number
+            for key, timer, number in timers
+        },
+        rounds,
+    )
+    best = {key: min(per_round) for key, per_round in runs.items()}
     return best
 
 
@@ -631,10 +657,11 @@ def print_report(report: dict[str, Any]) -> None:
     print()
     print("Sakura core overhead")
     print(
-        f"python {env['python']}, torch {env['torch']}, sakura {env['sakura']}, "
+        f"python {env['python']}, torch {env['torch']}, sakura {env['sakura-core']}, "
         f"pluggy {env['pluggy']}, lightning {env['lightning']}; "
-        f"torch threads {env['torch_threads']}, {env['cpus']} CPUs"
+        f"torch threads {env['torch_threads']}"
     )
+    print(env["machine"])
 
     steps = report["per_step"]
     print()
@@ -644,26 +671,21 @@ def print_report(report: dict[str, Any]) -> None:
         f"{steps['chunk']} ({steps['warmup_steps']} warm-up steps per variant per trial, "
         "not timed)"
     )
-    header = f"   {'variant':<45} {'us/step':>9} {'ratio':>7}  {'IQR':>15}  {'min-max':>15}"
+    header = f"   {'variant':<45} {'us/step':>9}  ratio (IQR, min-max)"
     print(header)
-    print("   " + "-" * (len(header) - 3))
+    print("   " + "-" * (len(header) + 40))
     for entry in steps["variants"].values():
-        print(
-            f"   {entry['label']:<45} {entry['median_us_per_step']:>9.1f} "
-            f"{entry['ratio_median']:>7.4f}  "
-            f"{entry['ratio_q1']:>7.4f}-{entry['ratio_q3']:<7.4f}  "
-            f"{entry['ratio_min']:>7.4f}-{entry['ratio_max']:<7.4f}"
-        )
+        print(overhead_row_text(entry, 45))
     print("   ratio: per-trial time / raw time of the same trial; median, IQR, min-max of trials")
     for key in ("8noop", "8noop-nohist"):
         entry = steps["variants"][key]
         print(
-            f"   {entry['label']} / hand-written control: median {entry['vs_hand_median']:.4f} "
-            f"(min-max {entry['vs_hand_min']:.4f}-{entry['vs_hand_max']:.4f})"
+            f"   {entry['label']} / hand-written control: median (min-max) "
+            f"{entry['vs_hand'].format(4)}"
         )
 
     iso = report["isolated"]
-    raw_us = steps["variants"]["raw"]["median_us_per_step"]
+    raw_us = steps["variants"]["raw"]["us_per_step"].median
     print()
     print(
         "2. The integration's own cost, in isolation (same loops, no-op model/loss/optimizer; "
@@ -710,7 +732,7 @@ def print_report(report: dict[str, Any]) -> None:
 def evaluate_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     variants = report["per_step"]["variants"]
     iso = report["isolated"]
-    raw_us = variants["raw"]["median_us_per_step"]
+    raw_us = variants["raw"]["us_per_step"].median
     cases = report["dispatch"]["cases"]
     targets = []
     for key in ("empty", "empty-nohist", "8noop", "8noop-nohist"):
@@ -718,9 +740,8 @@ def evaluate_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
         targets.append(
             {
                 "name": f"{entry['label']} within 1 % of raw (measured median ratio)",
-                "met": entry["ratio_median"] <= STEP_TARGET,
-                "value": f"{entry['ratio_median']:.4f} "
-                f"(IQR {entry['ratio_q1']:.4f}-{entry['ratio_q3']:.4f})",
+                "met": entry["ratio"].median <= STEP_TARGET,
+                "value": entry["ratio"].format(4, iqr=True),
             }
         )
         added = iso[key]["added_us_per_step"]
@@ -751,26 +772,17 @@ def evaluate_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     return targets
 
 
-def environment() -> dict[str, Any]:
-    import importlib.metadata as md
-
+def environment(load_before: tuple[float, float, float] | None) -> dict[str, Any]:
     import torch
 
-    def version(dist: str) -> str:
-        try:
-            return md.version(dist)
-        except md.PackageNotFoundError:
-            return "not installed"
-
+    installed = versions(("sakura-core", "pluggy", "lightning"))
     return {
         "python": platform.python_version(),
         "platform": platform.platform(),
         "torch": torch.__version__,
-        "sakura": version("sakura-core"),
-        "pluggy": version("pluggy"),
-        "lightning": version("lightning"),
+        **{name: version or "not installed" for name, version in installed.items()},
         "torch_threads": torch.get_num_threads(),
-        "cpus": os.cpu_count(),
+        "machine": machine_note(load_before),
     }
 
 
@@ -803,13 +815,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    _single_thread_env()
+    pin_threads(1)
     import torch
 
     torch.set_num_threads(1)
     if args.trials < 7 and not args.quick:
         print(f"note: {args.trials} trials; the report needs >= 7", file=sys.stderr)
     started = time.perf_counter()
+    load_before = load_average()
     with tempfile.TemporaryDirectory(prefix="sakura-core-overhead-") as tmp:
         tmpdir = Path(tmp)
         print("per-step benchmark ...", flush=True)
@@ -819,7 +832,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("dispatch benchmark ...", flush=True)
     dispatch = dispatch_benchmark(args)
     report: dict[str, Any] = {
-        "environment": environment(),
+        "environment": environment(load_before),
         "quick": args.quick,
         "issue_reference_us": ISSUE_REFERENCE_US,
         "per_step": per_step,
@@ -831,8 +844,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_report(report)
     print(f"({report['wall_s']:.0f} s)")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        write_json(args.json, report)
         print(f"wrote {args.json}")
     return 0
 

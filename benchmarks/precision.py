@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -45,7 +44,19 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from _common import write_json
 from torch import nn
+
+from sakura_bench.measure import (
+    Summary,
+    cpu_description,
+    interleaved,
+    load_average,
+    load_note,
+    machine_note,
+    ratio_summary,
+    summary,
+)
 
 BF16_TARGET = 1.5  # MixedPrecision("bf16") step-time speed-up over fp32 (the issue's target)
 LOSS_RTOL = 0.02  # bf16's loss within 2 % of fp32's at every one of 20 steps
@@ -183,19 +194,8 @@ class Trainer:
 # --- helpers ------------------------------------------------------------------------------------
 
 
-def summary(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def fmt_ratio(s: dict[str, float]) -> str:
-    return f"{s['median']:.2f}x [{s['min']:.2f}-{s['max']:.2f}]"
-
-
-def load() -> str:
-    try:
-        return " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "n/a"
+def fmt_ratio(s: Summary) -> str:
+    return s.format(2, "x")
 
 
 @contextmanager
@@ -215,32 +215,36 @@ def saved_bytes(model: nn.Module) -> Iterator[list[int]]:
         yield total
 
 
-def interleaved(
+def timed_trials(
     variants: dict[str, Callable[[], Trainer]], trials: int, steps: int
 ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Per-step wall and CPU seconds of each variant per trial, the variants interleaved in
-    every trial."""
+    """Per-step wall and CPU seconds of each variant per trial, the variants interleaved
+    (``sakura_bench.measure.interleaved``, after one untimed round: allocator, oneDNN
+    primitive caches)."""
     trainers = {name: make() for name, make in variants.items()}
-    for trainer in trainers.values():
-        trainer.timed(2)  # warm-up: allocator, oneDNN primitive caches
-    wall: dict[str, list[float]] = {name: [] for name in variants}
-    cpu: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(trials):
-        for name, trainer in trainers.items():
-            wall[name].append(trainer.timed(steps))
-            cpu[name].append(trainer.cpu_seconds)
+
+    def contender(trainer: Trainer) -> Callable[[int], tuple[float, float]]:
+        def run(trial: int) -> tuple[float, float]:
+            wall = trainer.timed(steps)
+            return wall, trainer.cpu_seconds
+
+        return run
+
+    runs = interleaved({name: contender(t) for name, t in trainers.items()}, trials, warmup=1)
     for trainer in trainers.values():
         trainer.close()
+    wall = {name: [w for w, _ in r] for name, r in runs.items()}
+    cpu = {name: [c for _, c in r] for name, r in runs.items()}
     return wall, cpu
 
 
 def ratios(times: dict[str, list[float]], base: str, *, inverse: bool = False) -> dict[str, Any]:
-    """Per-trial ``base / variant`` (a speed-up; ``variant / base`` with ``inverse``)."""
-    out = {}
-    for name, values in times.items():
-        pairs = zip(times[base], values, strict=True)
-        out[name] = summary([v / b if inverse else b / v for b, v in pairs])
-    return out
+    """Per-trial ``base / variant`` (a speed-up; ``variant / base`` with ``inverse``), each
+    with its spread."""
+    return {
+        name: ratio_summary(values, times[base]) if inverse else ratio_summary(times[base], values)
+        for name, values in times.items()
+    }
 
 
 # --- 1. precision ----------------------------------------------------------------------------
@@ -254,7 +258,7 @@ def bench_precision(config: dict[str, int], trials: int, steps: int) -> dict[str
         "bf16-mixed": lambda: Trainer(config, [MixedPrecision("bf16")]),
         "bf16-true": lambda: Trainer(config, [MixedPrecision("bf16-true")]),
     }
-    wall, cpu = interleaved(variants, trials, steps)
+    wall, cpu = timed_trials(variants, trials, steps)
     # fp16: one trial after one warm-up step, next to one more fp32 trial (emulated fp16
     # arithmetic makes a step many seconds long here)
     fp16 = Trainer(config, [MixedPrecision("fp16")])
@@ -346,7 +350,7 @@ def bench_checkpointing(config: dict[str, int], trials: int, steps: int) -> dict
     # Selective checkpointing keeps the policy's op outputs in its own storage, which the
     # saved-tensor hooks do not see: add the bytes those ops produce inside the blocks.
     memory["save_matmuls"] += policy_output_bytes(config, POLICIES["save_matmuls"])
-    wall, cpu = interleaved(variants, trials, steps)
+    wall, cpu = timed_trials(variants, trials, steps)
     return {
         "saved_bytes": memory,
         "memory_reduction": {k: memory["none"] / v for k, v in memory.items()},
@@ -425,13 +429,14 @@ def bench_compile(
         out[mode] = {
             "cold_first_step_s": summary(first_cold),
             "warm_first_step_s": summary(first_warm),
-            "cold_over_warm": summary([c / w for c, w in zip(first_cold, first_warm, strict=True)]),
+            "cold_over_warm": ratio_summary(first_cold, first_warm),
             "cold_process_s": summary([r["process_s"] for r in cold]),
             "warm_process_s": summary([r["process_s"] for r in warm]),
             "compiled_step_s": summary([r["compiled_step_s"] for r in cold + warm]),
             "eager_step_s": summary([r["eager_step_s"] for r in cold + warm]),
-            "eager_over_compiled": summary(
-                [r["eager_step_s"] / r["compiled_step_s"] for r in cold + warm]
+            "eager_over_compiled": ratio_summary(
+                [r["eager_step_s"] for r in cold + warm],
+                [r["compiled_step_s"] for r in cold + warm],
             ),
             "warm_fxgraph_hits": [r["fxgraph_hits"] for r in warm],
             "warm_fxgraph_misses": [r["fxgraph_misses"] for r in warm],
@@ -471,17 +476,19 @@ def main(argv: list[str] | None = None) -> int:
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "threads": torch.get_num_threads(),
             "cores": os.cpu_count(),
-            "load_before": load(),
+            "cpu": cpu_description(),
+            "load_before": load_note(),
         },
         "config": {**config, "batch": BATCH, "trials": trials, "steps_per_trial": steps},
     }
+    load_before = load_average()
     print(
         f"# sakura-precision benchmark  (torch {torch.__version__}, {torch.get_num_threads()} "
-        f"threads, {os.cpu_count()} cores, load {load()})"
+        f"threads, {os.cpu_count()} cores)\n# {machine_note()}"
     )
     print(
         f"workload: TinyLlama {config}, batch {BATCH}, AdamW; medians over {trials} trials "
-        f"of {steps} steps, [range]\n"
+        f"of {steps} steps, (min-max)\n"
     )
 
     if "precision" not in skip:
@@ -496,11 +503,11 @@ def main(argv: list[str] | None = None) -> int:
             cpu = p["cpu_seconds_per_step"][name]
             note = "  (1 trial; no fp16 arithmetic on this CPU)" if name == "16-mixed" else ""
             print(
-                f"{name:<11} {s['median']:>11.3f}  {fmt_ratio(p['speedup_vs_fp32'][name]):<20} "
-                f"{cpu['median']:>10.3f}  {fmt_ratio(p['cpu_time_speedup_vs_fp32'][name])}{note}"
+                f"{name:<11} {s.median:>11.3f}  {fmt_ratio(p['speedup_vs_fp32'][name]):<20} "
+                f"{cpu.median:>10.3f}  {fmt_ratio(p['cpu_time_speedup_vs_fp32'][name])}{note}"
             )
-        bf16 = p["speedup_vs_fp32"]["bf16-mixed"]["median"]
-        bf16_cpu = p["cpu_time_speedup_vs_fp32"]["bf16-mixed"]["median"]
+        bf16 = p["speedup_vs_fp32"]["bf16-mixed"].median
+        bf16_cpu = p["cpu_time_speedup_vs_fp32"]["bf16-mixed"].median
         verdict = "meets" if bf16 >= BF16_TARGET else "MISSES"
         print(
             f"bf16-mixed {bf16:.2f}x in wall time ({bf16_cpu:.2f}x in CPU time) {verdict} the "
@@ -524,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
             s = c["seconds_per_step"][name]
             print(
                 f"{name:<13} {nbytes / 2**20:>9.1f} {c['memory_reduction'][name]:>9.2f}x "
-                f"{s['median']:>11.3f}  {fmt_ratio(c['slowdown_vs_none'][name]):<20} "
+                f"{s.median:>11.3f}  {fmt_ratio(c['slowdown_vs_none'][name]):<20} "
                 f"{fmt_ratio(c['cpu_time_slowdown_vs_none'][name])}"
             )
         print(f"({c['note']})\n")
@@ -536,23 +543,23 @@ def main(argv: list[str] | None = None) -> int:
         print("## 3. Compile(target='blocks'): cold vs warm start, fresh processes")
         for mode, r in k.items():
             print(
-                f"mode={mode}: first step cold {r['cold_first_step_s']['median']:.1f}s, warm "
-                f"{r['warm_first_step_s']['median']:.1f}s -> {fmt_ratio(r['cold_over_warm'])} "
-                f"faster warm; whole process cold {r['cold_process_s']['median']:.1f}s, warm "
-                f"{r['warm_process_s']['median']:.1f}s"
+                f"mode={mode}: first step cold {r['cold_first_step_s'].format(1, 's')}, warm "
+                f"{r['warm_first_step_s'].format(1, 's')} -> {fmt_ratio(r['cold_over_warm'])} "
+                f"faster warm; whole process cold {r['cold_process_s'].format(1, 's')}, warm "
+                f"{r['warm_process_s'].format(1, 's')}"
             )
             print(
-                f"  steady state: compiled {r['compiled_step_s']['median']:.3f}s/step, eager "
-                f"{r['eager_step_s']['median']:.3f}s/step -> eager/compiled "
+                f"  steady state: compiled {r['compiled_step_s'].format(3, 's/step')}, eager "
+                f"{r['eager_step_s'].format(3, 's/step')} -> eager/compiled "
                 f"{fmt_ratio(r['eager_over_compiled'])}; warm runs: fxgraph hits "
                 f"{r['warm_fxgraph_hits']}, misses {r['warm_fxgraph_misses']}"
             )
         print()
 
-    results["machine"]["load_after"] = load()
-    print(f"load after: {load()}")
+    results["machine"]["load_after"] = load_note()
+    print(f"# {machine_note(load_before)}")
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+        write_json(args.json, results)
     return 0
 
 
