@@ -412,8 +412,10 @@ def test_handler_order_with_many_services_and_strict_failure() -> None:
     assert log.calls == [f"epoch:s{i}" for i in reversed(range(12))]
 
 
-def test_from_config_is_a_thin_wrapper_of_config_runtime_from_config(tmp_path: Any) -> None:
-    from sakura.config import load_config, runtime_from_config
+def test_from_config_is_a_thin_wrapper_of_from_loaded_config(tmp_path: Any) -> None:
+    # sakura.config only reads the configuration; the runtime builds itself from it (the
+    # import arrow points one way, see test_layering.py)
+    from sakura.config import load_config
 
     class MyRuntime(SakuraRuntime):
         pass
@@ -422,12 +424,12 @@ def test_from_config_is_a_thin_wrapper_of_config_runtime_from_config(tmp_path: A
         'services = [{name = "telemetry", path = "t.jsonl"}]\nstrict = true\n'
     )
     config = load_config(cwd=tmp_path)
-    rt = runtime_from_config(config, rank=1, world_size=2, runtime_class=MyRuntime)
+    rt = MyRuntime.from_loaded_config(config, rank=1, world_size=2)
     assert type(rt) is MyRuntime and (rt.rank, rt.world_size, rt.strict) == (1, 2, True)
     assert [s.name for s in rt.services] == ["telemetry"]
     again = MyRuntime.from_loaded_config(config)
     assert type(again) is MyRuntime and [s.name for s in again.services] == ["telemetry"]
-    assert type(runtime_from_config(config)) is SakuraRuntime
+    assert type(SakuraRuntime.from_loaded_config(config)) is SakuraRuntime
 
 
 def test_uninstall_failures_name_the_service_and_still_tear_down() -> None:

@@ -1,5 +1,10 @@
 """Configuration: which plugins load and which services install.
 
+This module only reads and merges what the arguments, the environment and the files say
+(a :class:`SakuraConfig`); :meth:`SakuraRuntime.from_config` and
+:meth:`SakuraRuntime.from_loaded_config` build a runtime from it.  The arrow points one way:
+the runtime knows the configuration, the configuration knows nothing of runtimes.
+
 Sources, highest precedence first:
 
 1. arguments to :meth:`SakuraRuntime.from_config` / :func:`load_config`, including an
@@ -185,36 +190,3 @@ def _str_list(option: str, values: Iterable[str]) -> list[str]:
         if not isinstance(value, str) or not value:
             raise ConfigError(f"{option} must hold non-empty strings, got {value!r}")
     return out
-
-
-# --- building a runtime from the configuration ----------------------------------------------
-# (SakuraRuntime.from_config is a thin wrapper of this.  The runtime module imports this one
-# lazily, so the reverse import for the annotations is only made for type checkers.)
-
-import typing  # noqa: E402 - this section was appended; see the note above
-
-if typing.TYPE_CHECKING:
-    from sakura.runtime import SakuraRuntime
-
-
-def runtime_from_config(
-    config: SakuraConfig,
-    *,
-    rank: int | None = None,
-    world_size: int | None = None,
-    runtime_class: type[SakuraRuntime] | None = None,
-) -> SakuraRuntime:
-    """A runtime built from ``config``: its plugins loaded, its services created from their
-    specs and installed (what :meth:`SakuraRuntime.from_config` returns)."""
-    from sakura.plugins import get_plugin_manager
-    from sakura.runtime import SakuraRuntime
-
-    cls = SakuraRuntime if runtime_class is None else runtime_class
-    manager = get_plugin_manager(
-        plugins=config.plugins, disabled=config.disabled_plugins, autoload=config.autoload
-    )
-    rt = cls(rank=rank, world_size=world_size, strict=config.strict, history=config.history)
-    for spec in config.services:
-        service = manager.create("service", spec) if isinstance(spec, (str, Mapping)) else spec
-        rt.install(service)
-    return rt

@@ -390,6 +390,15 @@ class ServiceHooks:
     def on_error(self, event: OnError) -> None: ...
 
 
+SERVICE_HOOKS: frozenset[str] = frozenset(
+    name
+    for name, value in vars(ServiceHooks).items()
+    if callable(value) and hasattr(value, f"{PROJECT_NAME}_spec")
+)
+"""Every service hook name declared in :class:`ServiceHooks` (also
+:data:`sakura.service.SERVICE_HOOKS`)."""
+
+
 # --- Plugin hooks ------------------------------------------------------------------------
 
 

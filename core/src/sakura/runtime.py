@@ -12,21 +12,19 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from typing import Any, TypeVar, overload
 
 from sakura._coordinated import CoordinatedCalls, annotate, invoke
 from sakura._routing import build_routes, make_dispatcher
+from sakura.config import SakuraConfig, load_config
 from sakura.env import env_int
 from sakura.errors import InvalidServiceError, SakuraError, nearest
 from sakura.events import Event, OnError
 from sakura.options import check_bool, check_int, option_error
 from sakura.resume import ServiceStateError, ServiceStateWarning
 from sakura.service import validate_service
-
-if TYPE_CHECKING:
-    from sakura.config import SakuraConfig
 
 __all__ = ["HandlerError", "SakuraRuntime", "ServiceStateError", "ServiceStateWarning"]
 
@@ -140,11 +138,10 @@ class SakuraRuntime(CoordinatedCalls):
         Precedence, highest first: the arguments given here (an explicit ``path``
         included); the environment (``SAKURA_PLUGINS``, ``SAKURA_DISABLED_PLUGINS``,
         ``SAKURA_DISABLE_PLUGIN_AUTOLOAD``, ``SAKURA_CONFIG``); ``./sakura.toml``;
-        ``[tool.sakura]`` in ``./pyproject.toml``.  See ``docs/configuration.md`` and
-        :func:`sakura.config.runtime_from_config`, which does the work.
+        ``[tool.sakura]`` in ``./pyproject.toml``.  See ``docs/configuration.md``: the
+        configuration is read by :func:`sakura.config.load_config`, and the runtime built
+        from it by :meth:`from_loaded_config`.
         """
-        from sakura.config import load_config, runtime_from_config
-
         config = load_config(
             path,
             services=services,
@@ -153,16 +150,24 @@ class SakuraRuntime(CoordinatedCalls):
             strict=strict,
             history=history,
         )
-        return runtime_from_config(config, rank=rank, world_size=world_size, runtime_class=cls)
+        return cls.from_loaded_config(config, rank=rank, world_size=world_size)
 
     @classmethod
     def from_loaded_config(
         cls, config: SakuraConfig, *, rank: int | None = None, world_size: int | None = None
     ) -> SakuraRuntime:
-        """Build a runtime from an already loaded :class:`~sakura.config.SakuraConfig`."""
-        from sakura.config import runtime_from_config
+        """Build a runtime from an already loaded :class:`~sakura.config.SakuraConfig`: its
+        plugins loaded, its services created from their specs and installed."""
+        from sakura.plugins import get_plugin_manager
 
-        return runtime_from_config(config, rank=rank, world_size=world_size, runtime_class=cls)
+        manager = get_plugin_manager(
+            plugins=config.plugins, disabled=config.disabled_plugins, autoload=config.autoload
+        )
+        rt = cls(rank=rank, world_size=world_size, strict=config.strict, history=config.history)
+        for spec in config.services:
+            service = manager.create("service", spec) if isinstance(spec, (str, Mapping)) else spec
+            rt.install(service)
+        return rt
 
     # --- registry ---------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from sakura.errors import InvalidServiceError, nearest
 from sakura.events import EVENT_TYPES, Event
-from sakura.hookspecs import PROJECT_NAME, ServiceHooks
+from sakura.hookspecs import SERVICE_HOOKS
 
 __all__ = [
     "COORDINATED_CALLS",
@@ -44,12 +44,8 @@ COORDINATED_CALLS = frozenset(
         "load_state_dict",
     }
 )
-SERVICE_HOOKS: frozenset[str] = frozenset(
-    name
-    for name, value in vars(ServiceHooks).items()
-    if callable(value) and hasattr(value, f"{PROJECT_NAME}_spec")
-)
-"""Every service hook name declared in :class:`sakura.hookspecs.ServiceHooks`."""
+# SERVICE_HOOKS (every service hook name) is declared beside the specs, in sakura.hookspecs,
+# so that sakura.suggest can name hooks without importing this module.
 
 # Names that look like hooks: a public method with one of these prefixes must be a hook.
 _HOOK_PREFIXES = ("on_", "wrap_", "sakura_")

@@ -16,6 +16,8 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable, Mapping
 
+from sakura.hookspecs import SERVICE_HOOKS
+
 __all__ = [
     "HF_TRAINER_EVENTS",
     "LIGHTNING_HOOKS",
@@ -108,13 +110,9 @@ def suggest_hook(name: str, valid: Iterable[str] | None = None) -> str | None:
     """The sakura hook ``name`` most likely means: the hook a Lightning or Hugging Face
     name maps to, else the closest valid name by spelling, else None.
 
-    ``valid`` defaults to every service hook (:data:`sakura.service.SERVICE_HOOKS`).
+    ``valid`` defaults to every service hook (:data:`sakura.hookspecs.SERVICE_HOOKS`).
     """
-    if valid is None:
-        from sakura.service import SERVICE_HOOKS
-
-        valid = SERVICE_HOOKS
-    candidates = list(valid)
+    candidates = list(SERVICE_HOOKS if valid is None else valid)
     alias = framework_alias(name)
     if alias is not None and alias[0] in candidates:
         return alias[0]
