@@ -86,7 +86,7 @@ def nf4(trials: int, repeat: int) -> list[dict[str, Any]]:
     import torch
 
     from sakura_quant import _kernel
-    from sakura_quant.weights import dequantize_weight, quantize_weight
+    from sakura_quant.codec import dequantize_weight, quantize_weight
 
     rows: list[dict[str, Any]] = []
     w = torch.randn(4096, 4096, dtype=torch.bfloat16)

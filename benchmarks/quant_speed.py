@@ -145,7 +145,7 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
     w = torch.randn(args.size, args.size, dtype=dtype) * 0.02
 
     from sakura_quant import _kernel
-    from sakura_quant.weights import dequantize_weight, quantize_weight
+    from sakura_quant.codec import dequantize_weight, quantize_weight
 
     def with_kernel(enabled: bool, fn: Callable[[], Any]) -> Callable[[], Any]:
         def run() -> Any:

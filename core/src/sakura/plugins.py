@@ -94,7 +94,7 @@ KNOWN_PROVIDERS: dict[str, str] = {
     "SakuraTrainer": "sakura-adapters",
     "DDPAdapter": "sakura-adapters",
     "quant": "sakura-quant",
-    "QuantizedBase": "sakura-quant",
+    "Quantization": "sakura-quant",
     "offload_adamw": "sakura-offload",
     "OffloadAdamWService": "sakura-offload",
     "memory_plan": "sakura-offload",

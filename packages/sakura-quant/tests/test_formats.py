@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from sakura.options import OptionError
+from sakura_quant.codec import dequantize_weight, quantize_weight
 from sakura_quant.formats.nvfp4 import e2m1_codes
-from sakura_quant.weights import dequantize_weight, quantize_weight
 
 
 def test_int8_hand_computed() -> None:

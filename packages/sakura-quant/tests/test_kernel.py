@@ -2,15 +2,36 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
+from torch.utils.cpp_extension import get_cxx_compiler
 
 from sakura_quant import _kernel
+from sakura_quant.codec import dequantize_weight, quantize_weight
 from sakura_quant.formats.nf4 import _midpoints
-from sakura_quant.weights import dequantize_weight, quantize_weight
 
-if _kernel.LIBRARY.disabled() or _kernel.LIBRARY.load() is None:
-    pytest.skip("the C++ NF4 kernels are not available here", allow_module_level=True)
+COMPILER = get_cxx_compiler()
+"""The C++ compiler torch's cpp_extension builds the kernel with (``$CXX``, else ``c++``)."""
+
+if _kernel.LIBRARY.disabled():
+    pytest.skip(f"{_kernel.NO_KERNEL_ENV} asks for the pure-torch path", allow_module_level=True)
+if shutil.which(COMPILER) is None:
+    pytest.skip(f"no C++ compiler ({COMPILER}) on this machine", allow_module_level=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built_kernel() -> None:
+    """Where a compiler is present a failed build fails every test here (with the build's
+    error), instead of showing as skips: a compile break must not pass unseen."""
+    if _kernel.LIBRARY.load() is None:
+        pytest.fail(
+            f"the C++ NF4 kernel did not build although {COMPILER} is present: "
+            f"{_kernel.LIBRARY.failure} (the compiler's output is logged on "
+            f"{_kernel.LIBRARY.logger.name})",
+            pytrace=False,
+        )
 
 
 def _both(

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from sakura_quant import _kernel
+from sakura_quant.codec import dequantize_weight, quantize_weight
 from sakura_quant.formats.nf4 import kernel_arguments
-from sakura_quant.weights import dequantize_weight, quantize_weight
 from sakura_torch.native_cuda import find_nvcc
 
 EXPORTS = {

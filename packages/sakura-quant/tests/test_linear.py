@@ -167,7 +167,7 @@ def test_errors(make_tiny_lm: Callable[[], nn.Module]) -> None:
         quantize_model(frozen, "nf4", targets=["norm"])
     with pytest.raises(OptionError, match=r"targets='nope'"):
         quantize_model(frozen, "nf4", targets=["nope"])
-    with pytest.raises(OptionError, match=r"format='q4'"):
+    with pytest.raises(OptionError, match=r"quantize_model: quantize='q4'"):
         quantize_model(frozen, "q4")
     with pytest.raises(OptionError, match=r"block_size=7"):
         quantize_model(frozen, "nf4", block_size=7)

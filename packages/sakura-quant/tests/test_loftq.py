@@ -13,7 +13,7 @@ from torch import nn
 
 from sakura.options import OptionError
 from sakura_quant import (
-    QuantizedBase,
+    Quantization,
     QuantizedLinear,
     dequantize_weight,
     init_lora_from_error,
@@ -212,7 +212,7 @@ def test_bad_options_name_the_option(
     with pytest.raises(OptionError, match=f"{option}="):
         quantize_model(model, "nf4", **kwargs)
     with pytest.raises(OptionError, match=f"{option}="):
-        QuantizedBase("nf4", **kwargs)
+        Quantization("nf4", **kwargs)
     with pytest.raises(OptionError, match=f"{option}="):
         load_model("unused.safetensors", "nf4", model=model, **kwargs)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sakura_quant.codec import dequantize_weight, quantize_weight
 from sakura_quant.formats.double_quant import dynamic_map
 from sakura_quant.formats.nf4 import NF4_CODE
-from sakura_quant.weights import dequantize_weight, quantize_weight
 
 
 def test_hand_computed_block() -> None:

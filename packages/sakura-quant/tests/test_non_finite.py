@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from sakura_quant import _kernel, load_model, quantize_model
+from sakura_quant.codec import dequantize_weight, quantize_weight
 from sakura_quant.formats.nf4 import _midpoints
-from sakura_quant.weights import dequantize_weight, quantize_weight
 
 SPECS = [("nf4", False), ("nf4", True), ("int8", False), ("int8", True), ("fp8", False), ("nvfp4", False)]  # fmt: skip
 FP32_MAX = torch.finfo(torch.float32).max

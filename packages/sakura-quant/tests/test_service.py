@@ -16,7 +16,7 @@ from sakura import SakuraRuntime
 from sakura.errors import SpecError
 from sakura.options import OptionError
 from sakura.plugins import get_plugin_manager
-from sakura_quant import QuantizedBase, QuantizedLinear
+from sakura_quant import Quantization, QuantizedLinear
 
 peft = pytest.importorskip("peft")
 
@@ -24,27 +24,27 @@ peft = pytest.importorskip("peft")
 def test_spec_strings_build_the_service() -> None:
     manager = get_plugin_manager()
     service = manager.create("service", "quant:nf4")
-    assert isinstance(service, QuantizedBase)
+    assert isinstance(service, Quantization)
     assert (service.format, service.block_size, service.double_quant) == ("nf4", 64, False)
     service = manager.create("service", "quant:int8,block_size=128,double_quant=true")
     assert (service.format, service.block_size, service.double_quant) == ("int8", 128, True)
     assert manager.create("service", "quant:fp8").block_size == 32
     service = manager.create("service", "quant:nf4,matmul_dtype=bf16")
     assert service.matmul_dtype == torch.bfloat16 and "matmul_dtype='bfloat16'" in repr(service)
-    with pytest.raises(SpecError, match=r"QuantizedBase: matmul_dtype='int4'"):
+    with pytest.raises(SpecError, match=r"Quantization: matmul_dtype='int4'"):
         manager.create("service", "quant:nf4,matmul_dtype=int4")
-    with pytest.raises(SpecError, match=r"QuantizedBase: format='fp4'.*accepted: 'int8'"):
+    with pytest.raises(SpecError, match=r"Quantization: format='fp4'.*accepted: 'int8'"):
         manager.create("service", "quant:fp4")
-    with pytest.raises(SpecError, match=r"QuantizedBase: block_size=3"):
+    with pytest.raises(SpecError, match=r"Quantization: block_size=3"):
         manager.create("service", "quant:nf4,block_size=3")
-    with pytest.raises(OptionError, match=r"QuantizedBase: double_quant=True .*'int8' and 'nf4'"):
-        QuantizedBase("nvfp4", double_quant=True)
+    with pytest.raises(OptionError, match=r"Quantization: double_quant=True .*'int8' and 'nf4'"):
+        Quantization("nvfp4", double_quant=True)
 
 
 def test_facade_exports_the_service() -> None:
-    from sakura.services import QuantizedBase as FromFacade  # type: ignore[attr-defined]
+    from sakura.services import Quantization as FromFacade  # type: ignore[attr-defined]
 
-    assert FromFacade is QuantizedBase
+    assert FromFacade is Quantization
 
 
 def _lm_batch(gen: torch.Generator) -> torch.Tensor:
@@ -56,7 +56,7 @@ def test_raw_loop_prepares_a_quantized_lora_model(make_tiny_lm: Callable[[], nn.
         make_tiny_lm(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
     )
     with SakuraRuntime(strict=True) as rt:
-        service = rt.install(QuantizedBase("nf4", double_quant=True))
+        service = rt.install(Quantization("nf4", double_quant=True))
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
         model, optimizer = rt.prepare(model, optimizer)
         assert service.stats["tensors"] == 4
@@ -82,12 +82,12 @@ def test_raw_loop_prepares_a_quantized_lora_model(make_tiny_lm: Callable[[], nn.
 
 def test_unfrozen_base_is_an_error_naming_freeze(make_tiny_lm: Callable[[], nn.Module]) -> None:
     with SakuraRuntime(strict=True) as rt:
-        rt.install(QuantizedBase("int8"))
+        rt.install(Quantization("int8"))
         with pytest.raises(OptionError, match=r"quantize_model: freeze=False is not accepted"):
             rt.prepare(make_tiny_lm())
         model = make_tiny_lm()
         rt.uninstall("quant")
-        rt.install(QuantizedBase("int8", freeze=True))
+        rt.install(Quantization("int8", freeze=True))
         rt.prepare(model)
         assert isinstance(model.layers[0].q_proj, QuantizedLinear)
 
@@ -131,7 +131,7 @@ def test_hf_trainer_with_hfadapter_trains_lora_on_a_quantized_base(tmp_path: Pat
         _tiny_llama(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     )
     rt = SakuraRuntime(strict=True)
-    service = rt.install(QuantizedBase("nf4"))
+    service = rt.install(Quantization("nf4"))
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "out"),
         per_device_train_batch_size=4,
@@ -191,7 +191,7 @@ def test_lightning_with_lightningadapter_trains_lora_on_a_quantized_base(
 
     module = _LoraModule(make_tiny_lm())
     rt = SakuraRuntime(strict=True)
-    service = rt.install(QuantizedBase("int8"))
+    service = rt.install(Quantization("int8"))
     gen = torch.Generator().manual_seed(4)
     data = torch.utils.data.TensorDataset(torch.randint(0, 32, (16, 12), generator=gen))
     trainer = pl.Trainer(

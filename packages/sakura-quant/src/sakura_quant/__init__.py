@@ -14,31 +14,34 @@ from typing import TYPE_CHECKING, Any
 from sakura_quant import _hf_hook
 
 if TYPE_CHECKING:
+    from sakura_quant.codec import dequantize_weight, quantize_weight
     from sakura_quant.formats import QuantizedWeight
     from sakura_quant.hf import SakuraQuantConfig
     from sakura_quant.linear import QuantizedLinear
     from sakura_quant.loading import load_model
     from sakura_quant.loftq import init_lora_from_error
+    from sakura_quant.options import QuantOptions
     from sakura_quant.quantize import quantize_model
-    from sakura_quant.service import QuantizedBase
-    from sakura_quant.weights import dequantize_weight, quantize_weight
+    from sakura_quant.service import Quantization
 
 # Exports load on first use: the plugin module (sakura_quant.plugin) is imported whenever
 # sakura lists plugins, and that must not import torch.
 _EXPORTS = {
-    "QuantizedBase": "sakura_quant.service",
+    "QuantOptions": "sakura_quant.options",
+    "Quantization": "sakura_quant.service",
     "QuantizedLinear": "sakura_quant.linear",
     "QuantizedWeight": "sakura_quant.formats",
     "SakuraQuantConfig": "sakura_quant.hf",
     "init_lora_from_error": "sakura_quant.loftq",
     "load_model": "sakura_quant.loading",
     "quantize_model": "sakura_quant.quantize",
-    "dequantize_weight": "sakura_quant.weights",
-    "quantize_weight": "sakura_quant.weights",
+    "dequantize_weight": "sakura_quant.codec",
+    "quantize_weight": "sakura_quant.codec",
 }
 
 __all__ = [
-    "QuantizedBase",
+    "QuantOptions",
+    "Quantization",
     "QuantizedLinear",
     "QuantizedWeight",
     "SakuraQuantConfig",

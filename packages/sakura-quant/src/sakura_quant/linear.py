@@ -27,11 +27,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from sakura_quant.codec import dequantize_weight, encode, quantize_weight
 from sakura_quant.formats import QuantizedWeight
 from sakura_quant.formats.checks import check_quantized_weight
-from sakura_quant.loftq import quantize_with_error_fit
-from sakura_quant.options import check_matmul_dtype, matmul_dtype_name
-from sakura_quant.weights import dequantize_weight, quantize_weight
+from sakura_quant.loftq import fit_error
+from sakura_quant.options import QuantOptions, WeightSpec, check_matmul_dtype, matmul_dtype_name
 
 __all__ = ["QuantizedLinear"]
 
@@ -97,7 +97,9 @@ class QuantizedLinear(nn.Linear):
         matmul_dtype: Any = None,
     ) -> None:
         nn.Module.__init__(self)
-        self.matmul_dtype = matmul_dtype
+        self._matmul_dtype: torch.dtype | None = None
+        if matmul_dtype is not None:
+            self.matmul_dtype = matmul_dtype
         check_quantized_weight(qweight, name="QuantizedLinear")
         if len(qweight.shape) != 2:
             raise ValueError(f"QuantizedLinear needs a 2-D weight, got shape {qweight.shape}")
@@ -148,6 +150,27 @@ class QuantizedLinear(nn.Linear):
             linear.weight.detach(), format, block_size=block_size, double_quant=double_quant
         )
         return cls(qweight, linear.bias, matmul_dtype=matmul_dtype)
+
+    @classmethod
+    def from_options(
+        cls,
+        qweight: QuantizedWeight,
+        options: QuantOptions,
+        *,
+        bias: torch.Tensor | None = None,
+        error_factors: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> QuantizedLinear:
+        """The layer the model-level paths build (``quantize_model``, ``load_model``, the
+        ``quant`` service, ``from_pretrained``): ``error_iters`` and ``matmul_dtype`` come
+        from ``options``, checked once by the entry point, and are not checked again."""
+        layer = cls(qweight, bias, error_factors=error_factors, error_iters=options.error_iters)
+        layer.use_options(options)
+        return layer
+
+    def use_options(self, options: QuantOptions) -> None:
+        """Take ``options``' ``matmul_dtype`` (checked by whoever built ``options``), as
+        ``from_pretrained`` does for the layers it reloads quantized."""
+        self._matmul_dtype = options.matmul_dtype
 
     @property
     def matmul_dtype(self) -> torch.dtype | None:
@@ -219,29 +242,17 @@ class QuantizedLinear(nn.Linear):
         if isinstance(incoming, torch.Tensor) and tuple(incoming.shape) == shape:
             # A full-precision weight: quantize it the way this layer stores its own (with a
             # fresh LoftQ fit when it has one), then load the stored tensors it gives.
-            dq = "scales_offset" in self._tensor_names
+            # The layer's own spec, checked when it was built: nothing to check again.
+            spec = WeightSpec(self.format, self.block_size, "scales_offset" in self._tensor_names)
             weight = incoming.to(self.compute_dtype)
             factors = self.error_factors
             state_dict = {k: v for k, v in state_dict.items() if k != key}
             if factors is not None:
-                fresh, state_dict[prefix + "error_a"], state_dict[prefix + "error_b"] = (
-                    quantize_with_error_fit(
-                        weight,
-                        self.format,
-                        block_size=self.block_size,
-                        double_quant=dq,
-                        rank=factors[0].shape[0],
-                        iters=self.error_iters,
-                    )
+                fresh, state_dict[prefix + "error_a"], state_dict[prefix + "error_b"] = fit_error(
+                    weight, spec, factors[0].shape[0], self.error_iters
                 )
             else:
-                fresh = quantize_weight(
-                    weight,
-                    self.format,
-                    block_size=self.block_size,
-                    double_quant=dq,
-                    name=prefix + _DATA,
-                )
+                fresh = encode(weight, spec, name=prefix + _DATA)
             for name, tensor in fresh.tensors.items():
                 state_dict[prefix + _buffer_name(name)] = tensor
         super()._load_from_state_dict(

@@ -17,22 +17,17 @@ import torch
 from torch import nn
 
 from sakura.options import check_bool, check_choice, option_error
+from sakura_quant.codec import encode
 from sakura_quant.linear import QuantizedLinear
-from sakura_quant.loftq import check_error_options, check_error_rank, quantize_with_error_fit
-from sakura_quant.options import (
-    FORMAT_NAMES,
-    check_block_size,
-    check_double_quant,
-    check_matmul_dtype,
-    check_names,
-)
-from sakura_quant.quantize import DEFAULT_SKIP, find_targets
-from sakura_quant.weights import quantize_weight
+from sakura_quant.loftq import check_error_rank, fit_error
+from sakura_quant.options import DEFAULT_SKIP, QuantOptions
+from sakura_quant.quantize import find_targets
 
 __all__ = ["load_model"]
 
 _OWNER = "load_model"
-_NO_QUANT = (None, False, "none")
+_NO_QUANT_SPELLINGS = ("none", None, False)
+"""``quantize=`` values that load without quantizing."""
 _DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -153,23 +148,26 @@ def load_model(
     A key the model has and the checkpoint lacks is an error, unless the model ties it to
     another (``tie_weights()`` runs for transformers models).
     """
-    fmt: str | None
-    if any(quantize is v for v in (None, False)) or quantize == "none":
-        fmt = None
-    else:
-        fmt = str(
-            check_choice("quantize", quantize, (*FORMAT_NAMES, "none", None, False), owner=_OWNER)
-        )
-    size = check_block_size(fmt, block_size, owner=_OWNER) if fmt else None
-    dq = check_double_quant(fmt, double_quant, owner=_OWNER) if fmt else False
-    if not fmt:
+    unquantized = any(quantize is v for v in (None, False)) or quantize == "none"
+    # Checked once: without quantizing, the format-dependent block_size goes unread (and
+    # double_quant need only be a bool), the other options are still held to their rules.
+    options = QuantOptions.from_kwargs(
+        owner=_OWNER,
+        format_option="quantize",
+        also_accepted=_NO_QUANT_SPELLINGS,
+        format="nf4" if unquantized else quantize,
+        block_size=None if unquantized else block_size,
+        double_quant=False if unquantized else double_quant,
+        targets=targets,
+        skip=skip,
+        error_rank=error_rank,
+        error_iters=error_iters,
+        matmul_dtype=matmul_dtype,
+    )
+    if unquantized:
         check_bool("double_quant", double_quant, owner=_OWNER)
-    wanted = check_names("targets", targets, owner=_OWNER, allow_none=True)
-    skipped = check_names("skip", skip, owner=_OWNER, allow_none=False) or ()
     check_choice("dtype", dtype, _DTYPES, owner=_OWNER)
     check_bool("trust_remote_code", trust_remote_code, owner=_OWNER)
-    rank, iters = check_error_options(error_rank, error_iters, owner=_OWNER)
-    compute = check_matmul_dtype(matmul_dtype, owner=_OWNER)
     if model is not None and not isinstance(model, nn.Module):
         raise option_error("model", model, "None or a torch.nn.Module", owner=_OWNER)
     root = Path(path)
@@ -179,8 +177,9 @@ def load_model(
 
     with ExitStack() as stack:
         reader = _Reader(files, stack)
-        if fmt is not None:
-            found = find_targets(model, wanted, skipped)
+        if not unquantized:
+            rank = options.error_rank
+            found = find_targets(model, options.targets, options.skip)
             for name, linear in found:  # before anything is read or quantized
                 check_error_rank(rank, tuple(linear.weight.shape), name=name, owner=_OWNER)
             for name, linear in found:
@@ -192,21 +191,17 @@ def load_model(
                     weight = weight.to(dtype)
                 factors = None
                 if rank:
-                    qweight, error_a, error_b = quantize_with_error_fit(
+                    qweight, error_a, error_b = fit_error(
                         weight,
-                        fmt,
-                        block_size=size,
-                        double_quant=dq,
-                        rank=rank,
-                        iters=iters,
+                        options.spec,
+                        rank,
+                        options.error_iters,
                         name=weight_key,
                         owner=_OWNER,
                     )
                     factors = (error_a, error_b)
                 else:
-                    qweight = quantize_weight(
-                        weight, fmt, block_size=size, double_quant=dq, name=weight_key
-                    )
+                    qweight = encode(weight, options.spec, name=weight_key)
                 del weight
                 bias = None
                 if linear.bias is not None:
@@ -214,8 +209,8 @@ def load_model(
                     bias = _cast(
                         _checked(reader.read(bias_key), linear.bias, bias_key, root), dtype
                     )
-                layer = QuantizedLinear(
-                    qweight, bias, error_factors=factors, error_iters=iters, matmul_dtype=compute
+                layer = QuantizedLinear.from_options(
+                    qweight, options, bias=bias, error_factors=factors
                 )
                 layer.requires_grad_(False)
                 parent_name, _, attr = name.rpartition(".")

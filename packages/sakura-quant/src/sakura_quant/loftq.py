@@ -14,28 +14,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from sakura.options import check_int, option_error
+from sakura.options import option_error
+from sakura_quant.codec import dequantize_weight, encode
 from sakura_quant.formats import QuantizedWeight
-from sakura_quant.weights import dequantize_weight, quantize_weight
+from sakura_quant.options import WeightSpec
 
 __all__ = [
-    "check_error_options",
     "check_error_rank",
+    "fit_error",
     "init_lora_from_error",
     "quantize_with_error_fit",
 ]
-
-
-def check_error_options(error_rank: Any, error_iters: Any, *, owner: str) -> tuple[int, int]:
-    """``error_rank``: an int >= 0 (0: off); ``error_iters``: an int >= 1, and 1 when
-    ``error_rank`` is 0 (there is nothing to iterate)."""
-    rank = int(check_int("error_rank", error_rank, minimum=0, owner=owner))
-    iters = int(check_int("error_iters", error_iters, minimum=1, owner=owner))
-    if rank == 0 and iters != 1:
-        raise option_error(
-            "error_iters", error_iters, "1 when error_rank=0 (LoftQ is off)", owner=owner
-        )
-    return rank, iters
 
 
 def check_error_rank(rank: int, shape: tuple[int, ...], *, name: str, owner: str) -> None:
@@ -74,21 +63,33 @@ def quantize_with_error_fit(
     owner: str = "quantize_with_error_fit",
 ) -> tuple[QuantizedWeight, torch.Tensor, torch.Tensor]:
     """``(Q(W - B A), A, B)`` after ``iters`` LoftQ rounds; ``A`` is ``(rank, in)`` and ``B``
-    ``(out, rank)`` in fp32.  ``rank`` must be in ``[1, min(out, in)]`` (a larger fit does
-    not exist: :func:`check_error_rank`); ``name`` / ``owner`` are what errors cite."""
+    ``(out, rank)`` in fp32.  ``format`` / ``block_size`` / ``double_quant`` are checked as
+    :func:`~sakura_quant.quantize_weight` checks them; ``rank`` must be in
+    ``[1, min(out, in)]`` (a larger fit does not exist: :func:`check_error_rank`);
+    ``name`` / ``owner`` are what errors cite."""
+    spec = WeightSpec.check(format, block_size, double_quant, owner=owner)
+    return fit_error(weight, spec, rank, iters, name=name, owner=owner)
+
+
+def fit_error(
+    weight: torch.Tensor,
+    spec: WeightSpec,
+    rank: int,
+    iters: int,
+    *,
+    name: str = "weight",
+    owner: str = "quantize_with_error_fit",
+) -> tuple[QuantizedWeight, torch.Tensor, torch.Tensor]:
+    """:func:`quantize_with_error_fit` for a ``spec`` already checked (the model-level
+    paths): each round quantizes with :func:`~sakura_quant.codec.encode`, checking nothing
+    again but the rank against this weight's shape."""
     if weight.dim() != 2:
         raise ValueError(f"LoftQ needs a 2-D weight, got shape {tuple(weight.shape)}")
     check_error_rank(rank, tuple(weight.shape), name=name, owner=owner)
     w = weight.detach().float()
     residual = w
     for i in range(iters):
-        qweight = quantize_weight(
-            residual.to(weight.dtype),
-            format,
-            block_size=block_size,
-            double_quant=double_quant,
-            name=name,
-        )
+        qweight = encode(residual.to(weight.dtype), spec, name=name)
         a, b = _low_rank(w - dequantize_weight(qweight, torch.float32), rank)
         if i + 1 < iters:
             residual = w - b @ a

@@ -10,6 +10,6 @@ from sakura.hookspecs import Register, hookimpl
 def sakura_register_services(register: Register) -> None:
     register(
         "quant",
-        "sakura_quant.service:QuantizedBase",
+        "sakura_quant.service:Quantization",
         description="frozen Linear weights quantized (nf4, int8, fp8, nvfp4) for QLoRA",
     )

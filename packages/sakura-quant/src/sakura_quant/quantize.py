@@ -9,30 +9,14 @@ import torch
 from torch import nn
 
 from sakura.options import check_bool, option_error
+from sakura_quant.codec import dequantize_weight, encode
 from sakura_quant.formats import QuantizedWeight
 from sakura_quant.formats.checks import check_finite
 from sakura_quant.linear import QuantizedLinear
-from sakura_quant.loftq import (
-    check_error_options,
-    check_error_rank,
-    init_lora_from_error,
-    quantize_with_error_fit,
-)
-from sakura_quant.options import (
-    PRECISE_FORMAT,
-    check_block_size,
-    check_double_quant,
-    check_format,
-    check_keep_precise,
-    check_matmul_dtype,
-    check_names,
-)
-from sakura_quant.weights import dequantize_weight, quantize_weight
+from sakura_quant.loftq import check_error_rank, fit_error, init_lora_from_error
+from sakura_quant.options import DEFAULT_SKIP, QuantOptions, WeightSpec
 
-__all__ = ["DEFAULT_SKIP", "quantize_model"]
-
-DEFAULT_SKIP = ("lm_head",)
-"""Left in full precision by default, as bitsandbytes / transformers do: the output head."""
+__all__ = ["DEFAULT_SKIP", "quantize_model", "quantize_with_options"]
 
 _OWNER = "quantize_model"
 
@@ -116,7 +100,7 @@ def find_targets(
 
 def quantize_model(
     model: nn.Module,
-    format: str = "nf4",
+    quantize: str = "nf4",
     *,
     block_size: int | None = None,
     double_quant: bool = False,
@@ -137,7 +121,8 @@ def quantize_model(
     "lora_initialized": count}`` (weight bytes only, LoftQ factors not counted).
 
     Args:
-        format: ``"nf4"``, ``"int8"``, ``"fp8"`` or ``"nvfp4"``.
+        quantize: the format: ``"nf4"``, ``"int8"``, ``"fp8"`` or ``"nvfp4"`` (the
+            reference's spelling, as for :func:`~sakura_quant.load_model`).
         block_size: values per scale; ``None`` is the format's default (64 for int8 / nf4;
             fp8 and nvfp4 have fixed blocks of 32 / 16); int8 / nf4 take any even int >= 2.
         double_quant: store int8 / nf4 block scales in one byte each.
@@ -166,19 +151,33 @@ def quantize_model(
             ``"bf16"`` / ``"fp32"`` / ``"fp16"`` (or the torch dtype). ``"bf16"`` under an
             fp32 model runs the frozen matmuls in bf16 (about 2x on CPUs with AVX512-BF16).
     """
-    fmt = check_format(format, owner=_OWNER)
-    size = check_block_size(fmt, block_size, owner=_OWNER)
-    dq = check_double_quant(fmt, double_quant, owner=_OWNER)
-    wanted = check_names("targets", targets, owner=_OWNER, allow_none=True)
-    skipped = check_names("skip", skip, owner=_OWNER, allow_none=False) or ()
-    check_bool("freeze", freeze, owner=_OWNER)
-    precise_share = check_keep_precise(fmt, keep_precise, owner=_OWNER)
-    rank, iters = check_error_options(error_rank, error_iters, owner=_OWNER)
-    compute = check_matmul_dtype(matmul_dtype, owner=_OWNER)
+    options = QuantOptions.from_kwargs(
+        owner=_OWNER,
+        format_option="quantize",
+        format=quantize,
+        block_size=block_size,
+        double_quant=double_quant,
+        targets=targets,
+        skip=skip,
+        keep_precise=keep_precise,
+        error_rank=error_rank,
+        error_iters=error_iters,
+        matmul_dtype=matmul_dtype,
+    )
+    return quantize_with_options(model, options, freeze=check_bool("freeze", freeze, owner=_OWNER))
+
+
+def quantize_with_options(
+    model: nn.Module, options: QuantOptions, *, freeze: bool
+) -> dict[str, int]:
+    """:func:`quantize_model` with its options already checked (the ``quant`` service calls
+    this with the options it checked when it was built); returns the same counts.  What
+    depends on the model (the targets, the frozen weights, ``error_rank`` against each
+    layer's shape, non-finite weights) is checked here, before any layer changes."""
     if not isinstance(model, nn.Module):
         raise option_error("model", model, "a torch.nn.Module", owner=_OWNER)
-
-    found = find_targets(model, wanted, skipped)
+    rank = options.error_rank
+    found = find_targets(model, options.targets, options.skip)
     for name, module in found:  # before any layer changes: the model stays as it was
         check_error_rank(rank, tuple(module.weight.shape), name=name, owner=_OWNER)
         check_finite(module.weight, name=f"{name}.weight")
@@ -192,19 +191,20 @@ def quantize_model(
                     "cannot train: call model.requires_grad_(False) first or pass freeze=True)",
                     owner=_OWNER,
                 )
-    chosen = _choose_precise(found, fmt, size, dq, precise_share) if precise_share else {}
+    chosen = (
+        _choose_precise(found, options.spec, options.keep_precise) if options.keep_precise else {}
+    )
     stats = {"tensors": 0, "kept_precise": 0, "bytes_before": 0, "bytes_after": 0}
     for name, module in found:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         weight = module.weight
         qweight = chosen.get(name)
-        spec = (fmt, size, dq) if qweight is None else weight_spec(qweight)
+        spec = options.spec if qweight is None else weight_spec(qweight)
         quantized = build_layer(
-            weight.detach(), spec, rank, iters, qweight=qweight, name=name, owner=_OWNER
+            weight.detach(), spec, options, qweight=qweight, name=name, owner=_OWNER
         )
         quantized.bias = module.bias
-        quantized.matmul_dtype = compute
         setattr(parent, attr, quantized)
         stats["tensors"] += 1
         stats["kept_precise"] += name in chosen
@@ -214,49 +214,29 @@ def quantize_model(
     return stats
 
 
-Spec = tuple[str, int | None, bool]
-"""(format, block size, double_quant) of one weight."""
-
-
 def build_layer(
     weight: torch.Tensor,
-    spec: Spec,
-    rank: int,
-    iters: int,
+    spec: WeightSpec,
+    options: QuantOptions,
     *,
     qweight: QuantizedWeight | None = None,
     name: str = "weight",
     owner: str = _OWNER,
 ) -> QuantizedLinear:
-    """A bias-less :class:`QuantizedLinear` storing ``weight`` as ``spec`` says: with a LoftQ
-    fit when ``rank`` is set (a plain ``qweight`` made earlier is then replaced), else
+    """A bias-less :class:`QuantizedLinear` storing ``weight`` as ``spec`` says, with
+    ``options``' LoftQ rank / rounds and ``matmul_dtype`` (all checked already): with a LoftQ
+    fit when ``error_rank`` is set (a plain ``qweight`` made earlier is then replaced), else
     ``qweight`` when given (it must be ``weight`` quantized so), else quantized now.
     ``name`` (the layer's) and ``owner`` are what errors cite."""
     factors = None
-    if rank:
-        qweight, error_a, error_b = quantize_with_error_fit(
-            weight,
-            spec[0],
-            block_size=spec[1],
-            double_quant=spec[2],
-            rank=rank,
-            iters=iters,
-            name=name,
-            owner=owner,
+    if options.error_rank:
+        qweight, error_a, error_b = fit_error(
+            weight, spec, options.error_rank, options.error_iters, name=name, owner=owner
         )
         factors = (error_a, error_b)
     elif qweight is None:
-        qweight = quantize_weight(
-            weight, spec[0], block_size=spec[1], double_quant=spec[2], name=name
-        )
-    return QuantizedLinear(qweight, None, error_factors=factors, error_iters=iters)
-
-
-def precise_spec(fmt: str, size: int, dq: bool) -> Spec:
-    """How ``keep_precise`` stores a weight of format ``fmt``: one step more precise (nf4 ->
-    int8 with the same block size and double quantization, nvfp4 -> fp8)."""
-    precise = PRECISE_FORMAT[fmt]
-    return precise, size if precise == "int8" else None, dq and precise in ("int8", "nf4")
+        qweight = encode(weight, spec, name=name)
+    return QuantizedLinear.from_options(qweight, options, error_factors=factors)
 
 
 def select_precise(
@@ -285,9 +265,9 @@ def select_precise(
     return chosen
 
 
-def weight_spec(qweight: QuantizedWeight) -> Spec:
-    """(format, block size, double_quant) a weight was quantized with."""
-    return qweight.format, qweight.block_size, "scales_offset" in qweight.tensors
+def weight_spec(qweight: QuantizedWeight) -> WeightSpec:
+    """The spec a weight was quantized with."""
+    return WeightSpec(qweight.format, qweight.block_size, "scales_offset" in qweight.tensors)
 
 
 def relative_error(weight: torch.Tensor, qweight: QuantizedWeight) -> float:
@@ -297,20 +277,17 @@ def relative_error(weight: torch.Tensor, qweight: QuantizedWeight) -> float:
 
 
 def _choose_precise(
-    found: list[tuple[str, nn.Linear]], fmt: str, size: int, dq: bool, share: float
+    found: list[tuple[str, nn.Linear]], spec: WeightSpec, share: float
 ) -> dict[str, QuantizedWeight]:
     """The weights ``keep_precise`` stores in the more precise format, quantized so."""
-    spec = precise_spec(fmt, size, dq)
+    precise_spec = spec.precise()
     modules = dict(found)
     measured = []
     for name, module in found:
-        base = quantize_weight(
-            module.weight.detach(), fmt, block_size=size, double_quant=dq, name=name
-        )
+        base = encode(module.weight.detach(), spec, name=name)
         measured.append((relative_error(module.weight, base), name, base.nbytes))
 
     def precise(name: str) -> QuantizedWeight:
-        weight = modules[name].weight.detach()
-        return quantize_weight(weight, spec[0], block_size=spec[1], double_quant=spec[2], name=name)
+        return encode(modules[name].weight.detach(), precise_spec, name=name)
 
     return select_precise(measured, share, precise)

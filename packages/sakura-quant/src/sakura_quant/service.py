@@ -1,38 +1,32 @@
-"""``QuantizedBase``: the ``quant`` service, so ``rt.prepare`` quantizes the frozen base."""
+"""``Quantization``: the ``quant`` service, so ``rt.prepare`` quantizes the frozen base."""
 
 from __future__ import annotations
 
 import weakref
 from typing import Any
 
+import torch
 from torch import nn
 
 from sakura.options import check_bool
 from sakura.service import Service
-from sakura_quant.loftq import check_error_options
-from sakura_quant.options import (
-    check_block_size,
-    check_double_quant,
-    check_format,
-    check_keep_precise,
-    check_matmul_dtype,
-    check_names,
-    matmul_dtype_name,
-)
-from sakura_quant.quantize import DEFAULT_SKIP, quantize_model
+from sakura_quant.options import DEFAULT_SKIP, QuantOptions, matmul_dtype_name
+from sakura_quant.quantize import quantize_with_options
 
-__all__ = ["QuantizedBase"]
+__all__ = ["Quantization"]
 
-_OWNER = "QuantizedBase"
+_OWNER = "Quantization"
 
 
-class QuantizedBase(Service):
+class Quantization(Service):
     """Quantizes a model's frozen ``nn.Linear`` weights when the loop prepares the model.
 
     Spec strings: ``quant:nf4``, ``quant:int8,block_size=128``, ``quant:nf4,double_quant=true``,
     ``quant:nf4,matmul_dtype=bf16`` (the frozen matmuls in bf16 under an fp32 model).
-    The arguments are :func:`~sakura_quant.quantize_model`'s; they are checked here, when the
-    service is built.  ``wrap_model`` changes the model in place (so it works under the stock
+    The arguments are :func:`~sakura_quant.quantize_model`'s (the format is ``format``
+    here); they are checked once, when the service is built, into ``options`` (a
+    :class:`~sakura_quant.options.QuantOptions`) that ``wrap_model`` passes down as it is.
+    ``wrap_model`` changes the model in place (so it works under the stock
     Hugging Face Trainer with ``HFAdapter`` and under Lightning) and returns it; ``stats`` then
     holds what ``quantize_model`` returned.  Put LoRA on the model before or after: either
     way only the base layers are quantized, never the adapters. With ``error_rank`` (LoftQ),
@@ -60,44 +54,72 @@ class QuantizedBase(Service):
         error_iters: Any = 1,
         matmul_dtype: Any = None,
     ) -> None:
-        self.format = check_format(format, owner=_OWNER)
-        self.matmul_dtype = check_matmul_dtype(matmul_dtype, owner=_OWNER)
-        self.block_size = check_block_size(self.format, block_size, owner=_OWNER)
-        self.double_quant = check_double_quant(self.format, double_quant, owner=_OWNER)
-        self.targets = check_names("targets", targets, owner=_OWNER, allow_none=True)
-        self.skip = check_names("skip", skip, owner=_OWNER, allow_none=False) or ()
-        self.freeze = check_bool("freeze", freeze, owner=_OWNER)
-        self.keep_precise = check_keep_precise(self.format, keep_precise, owner=_OWNER)
-        self.error_rank, self.error_iters = check_error_options(
-            error_rank, error_iters, owner=_OWNER
+        self.options = QuantOptions.from_kwargs(
+            owner=_OWNER,
+            format=format,
+            block_size=block_size,
+            double_quant=double_quant,
+            targets=targets,
+            skip=skip,
+            keep_precise=keep_precise,
+            error_rank=error_rank,
+            error_iters=error_iters,
+            matmul_dtype=matmul_dtype,
         )
+        self.freeze = check_bool("freeze", freeze, owner=_OWNER)
         self.stats: dict[str, int] = {}
         self._done: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
+    # The checked options, read-only, under the constructor's names.
+
+    @property
+    def format(self) -> str:
+        return self.options.format
+
+    @property
+    def block_size(self) -> int:
+        return self.options.block_size
+
+    @property
+    def double_quant(self) -> bool:
+        return self.options.double_quant
+
+    @property
+    def targets(self) -> tuple[str, ...] | None:
+        return self.options.targets
+
+    @property
+    def skip(self) -> tuple[str, ...]:
+        return self.options.skip
+
+    @property
+    def keep_precise(self) -> float:
+        return self.options.keep_precise
+
+    @property
+    def error_rank(self) -> int:
+        return self.options.error_rank
+
+    @property
+    def error_iters(self) -> int:
+        return self.options.error_iters
+
+    @property
+    def matmul_dtype(self) -> torch.dtype | None:
+        return self.options.matmul_dtype
+
     def __repr__(self) -> str:
         return (
-            f"QuantizedBase(format={self.format!r}, block_size={self.block_size}, "
+            f"Quantization(format={self.format!r}, block_size={self.block_size}, "
             f"double_quant={self.double_quant}, "
             f"matmul_dtype={matmul_dtype_name(self.matmul_dtype)!r})"
         )
 
     def wrap_model(self, model: Any) -> Any:
         if not isinstance(model, nn.Module):
-            raise TypeError(f"QuantizedBase needs a torch.nn.Module, got {type(model).__name__}")
+            raise TypeError(f"Quantization needs a torch.nn.Module, got {type(model).__name__}")
         if model in self._done:
             return model  # the same model prepared again: it is already quantized
-        self.stats = quantize_model(
-            model,
-            self.format,
-            block_size=self.block_size,
-            double_quant=self.double_quant,
-            targets=self.targets,
-            skip=self.skip,
-            freeze=self.freeze,
-            keep_precise=self.keep_precise,
-            error_rank=self.error_rank,
-            error_iters=self.error_iters,
-            matmul_dtype=self.matmul_dtype,
-        )
+        self.stats = quantize_with_options(model, self.options, freeze=self.freeze)
         self._done.add(model)
         return model

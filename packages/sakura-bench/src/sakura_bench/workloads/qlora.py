@@ -17,7 +17,7 @@ token).
 
 The base is the model's own full-precision weights: the ``baseline`` runner is PEFT LoRA
 over that fp32 base, the framework's vanilla loop.  Quantizing it is the ``sakura``
-runner's job (``--service quant:nf4``, sakura-quant's ``QuantizedBase`` in
+runner's job (``--service quant:nf4``, sakura-quant's ``Quantization`` in
 ``rt.prepare``).  The rival is a workload *variant*: ``--variant peft-bnb`` (``pair
 --baseline-variant peft-bnb``) quantizes the same base with bitsandbytes' ``Linear4bit``
 (NF4, blocks of 64, fp32 block scales: the layout sakura-quant's NF4 reproduces bit for

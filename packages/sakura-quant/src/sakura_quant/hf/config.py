@@ -3,27 +3,19 @@
 ``from_pretrained(path, quantization_config=SakuraQuantConfig("nf4"))`` quantizes the frozen
 ``nn.Linear`` weights while the checkpoint loads; ``save_pretrained`` writes this config into
 ``config.json`` (``to_dict``) and ``from_pretrained`` reads it back (``from_dict``). The options
-are :func:`~sakura_quant.quantize_model`'s, checked by the same validators.
+are :func:`~sakura_quant.quantize_model`'s, checked once into the same
+:class:`~sakura_quant.options.QuantOptions`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from sakura.options import option_error
-from sakura_quant.loftq import check_error_options
-from sakura_quant.options import (
-    check_block_size,
-    check_double_quant,
-    check_format,
-    check_keep_precise,
-    check_matmul_dtype,
-    check_names,
-    matmul_dtype_name,
-)
-from sakura_quant.quantize import DEFAULT_SKIP
+from sakura_quant.options import DEFAULT_SKIP, QuantOptions
 
 __all__ = ["QUANT_METHOD", "SakuraQuantConfig"]
 
@@ -31,6 +23,21 @@ QUANT_METHOD = "sakura_quant"
 """The ``quant_method`` under which transformers' registry knows sakura-quant."""
 
 _OWNER = "SakuraQuantConfig"
+
+
+def _option(name: str) -> property:
+    """A field of the config: read from ``options`` as JSON; setting it (transformers'
+    ``update`` / ``from_dict(..., **kwargs)`` do) builds ``options`` again, checked."""
+
+    def get(self: SakuraQuantConfig) -> Any:
+        return self.options.to_kwargs()[name]
+
+    def set_(self: SakuraQuantConfig, value: Any) -> None:
+        self.options = QuantOptions.from_kwargs(
+            owner=_OWNER, **{**self.options.to_kwargs(), name: value}
+        )
+
+    return property(get, set_)
 
 
 class SakuraQuantConfig(QuantizationConfigMixin):
@@ -51,8 +58,20 @@ class SakuraQuantConfig(QuantizationConfigMixin):
             the quantized layers multiply in (``bnb_4bit_compute_dtype`` of bitsandbytes);
             saved in ``config.json`` and applied again on reload.
 
-    Every value is checked here, with the errors of :func:`~sakura_quant.quantize_model`.
+    The values are checked once, into ``options`` (a
+    :class:`~sakura_quant.options.QuantOptions`, what the quantizer reads), with the errors
+    of :func:`~sakura_quant.quantize_model`; the fields above read them back as JSON values.
     """
+
+    format = _option("format")
+    block_size = _option("block_size")
+    double_quant = _option("double_quant")
+    targets = _option("targets")
+    skip = _option("skip")
+    keep_precise = _option("keep_precise")
+    error_rank = _option("error_rank")
+    error_iters = _option("error_iters")
+    matmul_dtype = _option("matmul_dtype")
 
     def __init__(
         self,
@@ -72,29 +91,23 @@ class SakuraQuantConfig(QuantizationConfigMixin):
             raise option_error("quant_method", quant_method, repr(QUANT_METHOD), owner=_OWNER)
         # Not a member of transformers' QuantizationMethod enum: a registered custom method.
         self.quant_method = QUANT_METHOD  # type: ignore[assignment]
-        self.format = check_format(format, owner=_OWNER)
-        self.block_size = check_block_size(self.format, block_size, owner=_OWNER)
-        self.double_quant = check_double_quant(self.format, double_quant, owner=_OWNER)
-        wanted = check_names("targets", targets, owner=_OWNER, allow_none=True)
-        self.targets = None if wanted is None else list(wanted)
-        self.skip = list(check_names("skip", skip, owner=_OWNER, allow_none=False) or ())
-        self.keep_precise = check_keep_precise(self.format, keep_precise, owner=_OWNER)
-        self.error_rank, self.error_iters = check_error_options(
-            error_rank, error_iters, owner=_OWNER
+        self.options = QuantOptions.from_kwargs(
+            owner=_OWNER,
+            format=format,
+            block_size=block_size,
+            double_quant=double_quant,
+            targets=targets,
+            skip=skip,
+            keep_precise=keep_precise,
+            error_rank=error_rank,
+            error_iters=error_iters,
+            matmul_dtype=matmul_dtype,
         )
-        self.matmul_dtype = matmul_dtype_name(check_matmul_dtype(matmul_dtype, owner=_OWNER))
 
     def to_dict(self) -> dict[str, Any]:
         """The options as JSON values (what ``config.json`` carries)."""
-        return {
-            "quant_method": self.quant_method,
-            "format": self.format,
-            "block_size": self.block_size,
-            "double_quant": self.double_quant,
-            "targets": None if self.targets is None else list(self.targets),
-            "skip": list(self.skip),
-            "keep_precise": self.keep_precise,
-            "error_rank": self.error_rank,
-            "error_iters": self.error_iters,
-            "matmul_dtype": self.matmul_dtype,
-        }
+        return {"quant_method": self.quant_method, **self.options.to_kwargs()}
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        """``dict(config)``: the JSON values, as :meth:`to_dict`."""
+        yield from self.to_dict().items()

@@ -32,21 +32,14 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.quantizers.quantizers_utils import should_convert_module
 
 from sakura.options import option_error
+from sakura_quant.codec import encode
 from sakura_quant.formats import QuantizedWeight
 from sakura_quant.formats.checks import check_quantized_weight
 from sakura_quant.hf.config import SakuraQuantConfig
 from sakura_quant.hf.layout import install_skeletons, layout_metadata
 from sakura_quant.linear import QuantizedLinear
 from sakura_quant.loftq import check_error_rank
-from sakura_quant.options import check_matmul_dtype
-from sakura_quant.quantize import (
-    build_layer,
-    find_targets,
-    precise_spec,
-    relative_error,
-    select_precise,
-)
-from sakura_quant.weights import quantize_weight
+from sakura_quant.quantize import build_layer, find_targets, relative_error, select_precise
 
 __all__ = ["QuantizeOnLoad", "SakuraHfQuantizer"]
 
@@ -93,10 +86,10 @@ class SakuraHfQuantizer(HfQuantizer):
         """Bytes per weight once quantized, scales included (what ``device_map="auto"``
         plans with): codes of 4 or 8 bits plus one scale per block (fp32, or one byte with
         ``double_quant``; nvfp4's are e4m3)."""
-        config = self.quantization_config
-        code = 0.5 if config.format in ("nf4", "nvfp4") else 1.0
-        scale = 1.0 if config.double_quant or config.format == "nvfp4" else 4.0
-        return code + scale / config.block_size
+        spec = self.quantization_config.options.spec
+        code = 0.5 if spec.format in ("nf4", "nvfp4") else 1.0
+        scale = 1.0 if spec.double_quant or spec.format == "nvfp4" else 4.0
+        return code + scale / spec.block_size
 
     def validate_environment(self, *args: Any, **kwargs: Any) -> None:
         device_map = kwargs.get("device_map")
@@ -112,9 +105,9 @@ class SakuraHfQuantizer(HfQuantizer):
         if self.pre_quantized:
             install_skeletons(model, checkpoint_files or [])
             return
-        config = self.quantization_config
-        targets = None if config.targets is None else tuple(config.targets)
-        found = [name for name, _ in find_targets(model, targets, tuple(config.skip))]
+        options = self.quantization_config.options
+        targets = options.targets
+        found = [name for name, _ in find_targets(model, targets, options.skip)]
         kept = self._never_quantized(model)
         for name in found:
             if targets is not None and not should_convert_module(name, kept):
@@ -129,7 +122,7 @@ class SakuraHfQuantizer(HfQuantizer):
         modules = dict(model.named_modules())
         for name in sorted(self.targets):  # before any weight loads
             shape = tuple(modules[name].weight.shape)
-            check_error_rank(config.error_rank, shape, name=name, owner=_OWNER)
+            check_error_rank(options.error_rank, shape, name=name, owner=_OWNER)
 
     @staticmethod
     def _never_quantized(model: nn.Module) -> list[str]:
@@ -155,7 +148,7 @@ class SakuraHfQuantizer(HfQuantizer):
         transformers, shown in its load report, and raised after the report as its
         ``RuntimeError`` ("issues during automatic conversion").
         """
-        config = self.quantization_config
+        options = self.quantization_config.options
         linear = model.get_submodule(name)
         if isinstance(linear, QuantizedLinear) or not isinstance(linear, nn.Linear):
             raise TypeError(f"SakuraHfQuantizer: {name} is a {type(linear).__name__}, not a Linear")
@@ -164,17 +157,14 @@ class SakuraHfQuantizer(HfQuantizer):
                 f"the checkpoint stores {name}.weight as {tuple(weight.shape)} {weight.dtype}; "
                 f"the model's is {tuple(linear.weight.shape)} {linear.weight.dtype}"
             )
-        spec = (config.format, config.block_size, config.double_quant)
-        rank, iters = config.error_rank, config.error_iters
+        spec = options.spec
         base: QuantizedWeight | None = None
         key = f"{name}.weight"
-        if config.keep_precise:
-            base = quantize_weight(
-                weight, spec[0], block_size=spec[1], double_quant=spec[2], name=key
-            )
-            precise = build_layer(weight, precise_spec(*spec), rank, iters, name=key, owner=_OWNER)
+        if options.keep_precise:
+            base = encode(weight, spec, name=key)
+            precise = build_layer(weight, spec.precise(), options, name=key, owner=_OWNER)
             self._candidates[name] = _Candidate(relative_error(weight, base), base.nbytes, precise)
-        layer = build_layer(weight, spec, rank, iters, qweight=base, name=key, owner=_OWNER)
+        layer = build_layer(weight, spec, options, qweight=base, name=key, owner=_OWNER)
         layer.bias = linear.bias
         _mark_loaded(layer)
         _replace(model, name, layer)
@@ -186,7 +176,7 @@ class SakuraHfQuantizer(HfQuantizer):
             measured = [(self._candidates[n].error, n, self._candidates[n].nbytes) for n in names]
             chosen = select_precise(
                 measured,
-                self.quantization_config.keep_precise,
+                self.quantization_config.options.keep_precise,
                 lambda n: self._candidates[n].precise.quantized_weight(),
             )
             for name in chosen:
@@ -196,15 +186,13 @@ class SakuraHfQuantizer(HfQuantizer):
                 _mark_loaded(layer)
                 _replace(model, name, layer)
             self._candidates.clear()
-        compute = check_matmul_dtype(
-            self.quantization_config.matmul_dtype, owner="SakuraQuantConfig"
-        )
+        options = self.quantization_config.options
         for name, module in model.named_modules():
             if isinstance(module, QuantizedLinear):  # loaded now, or reloaded quantized
                 # What the loader put in the buffers, checked again (the skeleton was checked
                 # against the headers; this holds the tensors themselves to the layout).
                 check_quantized_weight(module.quantized_weight(), name=name)
-                module.matmul_dtype = compute
+                module.use_options(options)
         return model
 
     def _dequantize(self, model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:

@@ -1,4 +1,9 @@
-"""Quantize one weight tensor and expand it again."""
+"""The codec of one weight tensor: quantize it to a format and expand it again.
+
+``quantize_weight`` is the public entry (it checks its options into a
+:class:`~sakura_quant.options.WeightSpec`); ``encode`` is what the model-level code calls with
+a spec already checked.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +12,9 @@ import torch
 from sakura_quant.formats import FORMATS, QuantizedWeight, nf4
 from sakura_quant.formats.checks import check_finite
 from sakura_quant.formats.double_quant import compress_scales, decompress_scales
-from sakura_quant.options import check_block_size, check_double_quant, check_format
+from sakura_quant.options import WeightSpec
 
-__all__ = ["dequantize_weight", "quantize_weight"]
+__all__ = ["dequantize_weight", "encode", "quantize_weight"]
 
 
 def quantize_weight(
@@ -30,21 +35,26 @@ def quantize_weight(
     them, in every format and on every path (no format can store them; see
     :func:`~sakura_quant.formats.checks.check_finite`).
     """
-    owner = "quantize_weight"
-    fmt = check_format(format, owner=owner)
-    size = check_block_size(fmt, block_size, owner=owner)
-    dq = check_double_quant(fmt, double_quant, owner=owner)
+    spec = WeightSpec.check(format, block_size, double_quant, owner="quantize_weight")
     if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
-        raise TypeError(f"{owner}: weight must be a floating-point tensor, got {weight!r:.80}")
+        raise TypeError(
+            f"quantize_weight: weight must be a floating-point tensor, got {weight!r:.80}"
+        )
+    return encode(weight, spec, name=name)
+
+
+def encode(weight: torch.Tensor, spec: WeightSpec, *, name: str = "weight") -> QuantizedWeight:
+    """``weight`` (a floating tensor) stored as ``spec`` says, ``spec`` already checked; a
+    weight holding NaN or ±Inf is refused here, on every path."""
     check_finite(weight, name=name)
-    tensors = FORMATS[fmt].quantize(weight, size)
-    if dq:
+    tensors = FORMATS[spec.format].quantize(weight, spec.block_size)
+    if spec.double_quant:
         tensors.update(compress_scales(tensors["scales"]))
     return QuantizedWeight(
-        format=fmt,
+        format=spec.format,
         shape=tuple(weight.shape),
         dtype=weight.dtype,
-        block_size=size,
+        block_size=spec.block_size,
         tensors=tensors,
     )
 
