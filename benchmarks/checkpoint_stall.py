@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -40,6 +39,7 @@ from typing import Any
 import torch
 
 from sakura import OnBeforeOptimizerStep, OnTrainBegin, OnTrainStepEnd, SakuraRuntime
+from sakura_bench.measure import interleaved, load_average, machine_note, summary
 
 WIDTH, LAYERS, BATCH = 4096, 6, 4
 
@@ -202,10 +202,11 @@ def main() -> int:
     base_dir = args.dir or tempfile.mkdtemp(prefix="sakura-ckpt-bench-")
     os.makedirs(base_dir, exist_ok=True)
     nbytes = sum(v.numel() * v.element_size() for v in make_model().state_dict().values())
+    load_before = load_average()
     print(
         f"# checkpoint stall: {nbytes / 1e6:.0f} MB fp32 state, {args.steps} steps, a checkpoint every "
-        f"{args.every} steps, {args.trials} trial(s) per method; {os.cpu_count()} CPUs, torch threads "
-        f"{torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}; writing to {base_dir}"
+        f"{args.every} steps, {args.trials} trial(s) per method (interleaved); torch threads "
+        f"{torch.get_num_threads()}; writing to {base_dir}\n# {machine_note()}"
     )
     factories: list[Callable[[], Method | None]] = [
         lambda: None,
@@ -219,32 +220,47 @@ def main() -> int:
     ]
     if args.quick:
         factories = factories[:2] + factories[4:6]
-    results: dict[str, dict[str, Any]] = {}
+
+    def name_of(method: Method | None) -> str:
+        return method.name if method is not None else "no checkpoint"
+
+    def contender(make: Callable[[], Method | None]) -> Callable[[int], tuple[float, Any]]:
+        def one_run(trial: int) -> tuple[float, Method | None]:
+            method = make()
+            name = name_of(method)
+            root = os.path.join(base_dir, f"{name.replace(' ', '_').replace(',', '')}-{trial}")
+            os.makedirs(root, exist_ok=True)
+            wall = run(method, args.steps, args.every, root)
+            shutil.rmtree(root, ignore_errors=True)
+            return wall, method
+
+        return one_run
+
     try:
-        for trial in range(args.trials):
-            for make in factories:
-                method = make()
-                name = method.name if method is not None else "no checkpoint"
-                root = os.path.join(base_dir, f"{name.replace(' ', '_').replace(',', '')}-{trial}")
-                os.makedirs(root, exist_ok=True)
-                wall = run(method, args.steps, args.every, root)
-                entry = results.setdefault(
-                    name, {"wall": [], "first": [], "blocked": [], "alloc": [], "parts": []}
-                )
-                entry["wall"].append(wall)
-                if method is not None:
-                    entry["first"].append(method.blocked[0])
-                    entry["blocked"].extend(method.blocked[1:])
-                    entry["alloc"].append(getattr(method, "allocations", None))
-                    entry["parts"].extend(getattr(method, "parts", [])[1:])
-                shutil.rmtree(root, ignore_errors=True)
-                print(f"# trial {trial + 1} {name}: wall {wall:.2f} s", flush=True)
+        runs = interleaved(
+            {name_of(make()): contender(make) for make in factories},
+            args.trials,
+            on_trial=lambda trial, r: print(
+                f"# trial {trial + 1}: " + ", ".join(f"{n} {w:.2f} s" for n, (w, _) in r.items()),
+                flush=True,
+            ),
+        )
         sizes = zstd_sizes(base_dir)
     finally:
         if not args.dir:
             shutil.rmtree(base_dir, ignore_errors=True)
-    ref = statistics.median(results["torch.save"]["blocked"] or results["torch.save"]["first"])
-    base_wall = statistics.median(results["no checkpoint"]["wall"])
+    results: dict[str, dict[str, Any]] = {}
+    for name, per_trial in runs.items():
+        entry = results[name] = {"wall": [], "first": [], "blocked": [], "alloc": [], "parts": []}
+        for wall, method in per_trial:
+            entry["wall"].append(wall)
+            if method is not None:
+                entry["first"].append(method.blocked[0])
+                entry["blocked"].extend(method.blocked[1:])
+                entry["alloc"].append(getattr(method, "allocations", None))
+                entry["parts"].extend(getattr(method, "parts", [])[1:])
+    ref = summary(results["torch.save"]["blocked"] or results["torch.save"]["first"]).median
+    base_wall = summary(results["no checkpoint"]["wall"]).median
     saves = args.steps // args.every
     print()
     print(
@@ -252,15 +268,18 @@ def main() -> int:
     )
     print("|---|---|---|---|---|")
     for name, entry in results.items():
-        wall = statistics.median(entry["wall"])
-        overhead = f"{wall:.2f} s ({(wall - base_wall) / saves:+.3f} s per checkpoint)"
+        wall = summary(entry["wall"])
+        overhead = (
+            f"{wall.format(2, ' s')} ({(wall.median - base_wall) / saves:+.3f} s per checkpoint)"
+        )
         if name == "no checkpoint":
-            print(f"| {name} | - | - | - | {wall:.2f} s |")
+            print(f"| {name} | - | - | - | {wall.format(2, ' s')} |")
             continue
-        b = entry["blocked"] or entry["first"]
+        b = summary(entry["blocked"] or entry["first"])
+        first = summary(entry["first"])
         print(
-            f"| {name} | {statistics.median(b) * 1000:.1f} ms ({min(b) * 1000:.1f}-{max(b) * 1000:.1f}) | "
-            f"{statistics.median(entry['first']) * 1000:.0f} ms | {100 * statistics.median(b) / ref:.1f} % | {overhead} |"
+            f"| {name} | {b.format(1, ' ms', scale=1e3)} | {first.format(0, ' ms', scale=1e3)} | "
+            f"{100 * b.median / ref:.1f} % | {overhead} |"
         )
     print()
     print("AsyncCheckpoint blocked time by cause (median over the same saves, ms):")
@@ -273,7 +292,7 @@ def main() -> int:
     for name, entry in results.items():
         if entry["parts"]:
             wait, copy, barrier = (
-                statistics.median(p[i] for p in entry["parts"]) * 1000 for i in range(3)
+                summary(p[i] for p in entry["parts"]).median * 1000 for i in range(3)
             )
             print(f"| {name} | {wait:.1f} | {copy:.1f} | {barrier:.1f} |")
     print()
@@ -285,6 +304,7 @@ def main() -> int:
         print(
             f"| {label} | {plain:,} | {packed:,} | {plain / packed:.3f}x | {t_plain:.2f} s / {t_packed:.2f} s |"
         )
+    print(f"\n# {machine_note(load_before)}")
     return 0
 
 

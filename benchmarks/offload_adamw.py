@@ -1,7 +1,7 @@
 """Host AdamW step time: sakura-offload's OffloadAdamW against its rivals, in one run.
 
-Variants, interleaved trial by trial over the same parameters and gradients (each
-optimizer keeps its own state):
+Variants, interleaved trial by trial (``sakura_bench.measure.interleaved``) over the same
+parameters and gradients (each optimizer keeps its own state):
 
 * ``torch-foreach``   ``torch.optim.AdamW(foreach=True)``
 * ``torch-fused``     ``torch.optim.AdamW(fused=True)`` (torch's fused CPU kernel) — the
@@ -19,8 +19,9 @@ fraction of that bandwidth it reaches, counting the bytes AdamW must move per pa
 20 with bf16 moments, 16 with 8-bit moments (the absmax per 256 values is ignored).
 
 Reported: per variant the median over trials of the per-trial mean step time, the min-max
-spread, the ratio to ``torch-fused`` (> 1: slower) and the bandwidth fraction; the load
-average before and after.  Then, each in a fresh process, the host memory OffloadAdamW's
+spread, the ratio to ``torch-fused`` (> 1: slower; the median of the per-trial ratios, with
+their spread) and the bandwidth fraction; the CPU (model, flags) and the load average before
+and after.  Then, each in a fresh process, the host memory OffloadAdamW's
 state takes per parameter for each moment format (RSS growth after one step over bf16
 weights, which get fp32 masters as a GPU model's would, and the peak growth during it):
 the reference states about 12 bytes with fp32 moments and 6 with 8-bit ones.  Run: ``python benchmarks/offload_adamw.py`` (``--help``).
@@ -30,14 +31,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
-from _common import require_status_kib
+from _common import require_status_kib, write_json
+
+from sakura_bench.measure import (
+    interleaved,
+    load_average,
+    load_note,
+    machine_note,
+    ratio_summary,
+    summary,
+)
 
 BYTES_PER_PARAM = {"fp32": 28, "bf16": 20, "int8": 16}
 VARIANTS = (
@@ -50,13 +58,7 @@ VARIANTS = (
     "sakura-int8",
 )
 REFERENCE = "torch-fused"
-
-
-def load_average() -> str:
-    try:
-        return " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "unknown"
+TRIAD = "(triad)"
 
 
 def make_tensors(args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
@@ -163,16 +165,17 @@ def triad(n: int, threads: int, trials: int) -> dict[str, float]:
         "torch": lambda: torch.add(b, c, alpha=3.0, out=a),
         "sakura": lambda: kernel.triad(a.data_ptr(), b.data_ptr(), c.data_ptr(), 3.0, n, threads),
     }
-    best: dict[str, float] = {}
-    for name, run in ways.items():
-        run()
-        times = []
-        for _ in range(trials):
+
+    def timed(run: Callable[[], None]) -> Callable[[int], float]:
+        def once(_: int) -> float:
             start = time.perf_counter()
             run()
-            times.append(time.perf_counter() - start)
-        best[name] = 12 * n / min(times) / 1e9
-    return best
+            return time.perf_counter() - start
+
+        return once
+
+    times = interleaved({name: timed(run) for name, run in ways.items()}, trials, warmup=1)
+    return {name: 12 * n / min(ts) / 1e9 for name, ts in times.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,26 +222,25 @@ def main(argv: list[str] | None = None) -> int:
     for optimizer, _ in optimizers.values():
         time_steps(optimizer, args.warmup)
 
-    samples: dict[str, list[float]] = {name: [] for name in optimizers}
-    bandwidth: list[dict[str, float]] = []
-    for trial in range(args.trials):
-        order = list(optimizers) if trial % 2 == 0 else list(reversed(optimizers))
-        for name in order:
-            samples[name].append(time_steps(optimizers[name][0], args.steps))
-        bandwidth.append(triad(args.params, threads, 3))
+    # The triad is measured in every trial too, in the same rotation: the bandwidth the
+    # machine gives while the optimizers are timed.
+    contenders: dict[str, Callable[[int], Any]] = {
+        name: lambda _, opt=opt: time_steps(opt, args.steps)
+        for name, (opt, _) in optimizers.items()
+    }
+    contenders[TRIAD] = lambda _: triad(args.params, threads, 3)
+    samples = interleaved(contenders, args.trials)
+    bandwidth: list[dict[str, float]] = samples.pop(TRIAD)
     best_bw = max(max(b.values()) for b in bandwidth)
 
     results: dict[str, Any] = {}
-    ref = statistics.median(samples[REFERENCE]) if REFERENCE in samples else None
     for name, times in samples.items():
-        median = statistics.median(times)
+        step = summary(times)
         moved = BYTES_PER_PARAM[optimizers[name][1]] * args.params
         results[name] = {
-            "median_ms": median * 1e3,
-            "min_ms": min(times) * 1e3,
-            "max_ms": max(times) * 1e3,
-            "vs_fused": median / ref if ref else None,
-            "bandwidth_fraction": moved / median / 1e9 / best_bw,
+            "step_ms": step.scaled(1e3),
+            "vs_fused": ratio_summary(times, samples[REFERENCE]) if REFERENCE in samples else None,
+            "bandwidth_fraction": moved / step.median / 1e9 / best_bw,
             "bytes_per_param": BYTES_PER_PARAM[optimizers[name][1]],
         }
     report = {
@@ -249,11 +251,11 @@ def main(argv: list[str] | None = None) -> int:
         "steps_per_trial": args.steps,
         "triad_gb_s": {
             "best": best_bw,
-            "torch_median": statistics.median(b["torch"] for b in bandwidth),
-            "sakura_median": statistics.median(b["sakura"] for b in bandwidth),
+            "torch": summary(b["torch"] for b in bandwidth),
+            "sakura": summary(b["sakura"] for b in bandwidth),
         },
-        "load_before": load_before,
-        "load_after": load_average(),
+        "load_before": load_note(load_before),
+        "load_after": load_note(),
         "results": results,
         "skipped": skipped,
         "state_bytes": state_bytes(args.params) if args.state_bytes else [],
@@ -263,13 +265,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.trials} trials x {args.steps} steps; triad {best_bw:.1f} GB/s"
     )
     print(
-        f"{'variant':<15}{'median ms':>11}{'spread ms':>17}{'x fused':>9}{'B/param':>9}{'of triad':>10}"
+        f"{'variant':<15}{'step ms, median (min-max)':>28}{'x fused (min-max)':>22}"
+        f"{'B/param':>9}{'of triad':>10}"
     )
     for name, r in results.items():
-        ratio = f"{r['vs_fused']:.2f}" if r["vs_fused"] else "-"
+        ratio = r["vs_fused"].format(2) if r["vs_fused"] else "-"
         print(
-            f"{name:<15}{r['median_ms']:>11.1f}{r['min_ms']:>8.1f} - {r['max_ms']:<6.1f}"
-            f"{ratio:>9}{r['bytes_per_param']:>9}{r['bandwidth_fraction']:>10.0%}"
+            f"{name:<15}{r['step_ms'].format(1):>28}{ratio:>22}"
+            f"{r['bytes_per_param']:>9}{r['bandwidth_fraction']:>10.0%}"
         )
     for name, why in skipped.items():
         print(f"{name:<15} skipped: {why}")
@@ -279,10 +282,9 @@ def main(argv: list[str] | None = None) -> int:
             f"moments: {row['state_bytes_per_param']:.2f} after a step "
             f"(peak {row['peak_bytes_per_param']:.2f})"
         )
-    print(f"load average before: {load_before}; after: {report['load_after']}")
+    print(machine_note(load_before))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as out:
-            json.dump(report, out, indent=2)
+        write_json(args.json, report)
     return 0
 
 

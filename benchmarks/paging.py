@@ -5,7 +5,7 @@ A config-built ``LlamaForCausalLM`` (random weights, nothing downloaded) trains 
 fixed batch; a step is forward + backward (no optimizer).  A budget of saved-activation
 bytes is set below what keeping everything needs (``--budget-fraction`` of it), so the
 model "does not fit".  Variants, each on its own copy of the model, interleaved trial by
-trial:
+trial (``sakura_bench.measure.interleaved``):
 
 * ``keep``            the unplanned model: every saved activation stays — the reference
 * ``page-host``       every block's saved tensors paged to host RAM (``ActivationPaging``
@@ -24,7 +24,7 @@ whether it meets the budget, the process's peak RSS above its level before the s
 (freed heap returned with ``malloc_trim`` first, then ``VmHWM`` reset through
 ``/proc/self/clear_refs``; Linux), the step time (median over trials of the per-trial
 mean, min-max spread) and its ratio to ``keep`` (median and spread of the per-trial
-ratios), with the load average before and after.  Run: ``python benchmarks/paging.py``
+ratios), with the CPU (model, flags) and the load average before and after.  Run: ``python benchmarks/paging.py``
 (``--help``).
 """
 
@@ -32,14 +32,21 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
-import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
-from _common import status_kib
+from _common import status_kib, write_json
+
+from sakura_bench.measure import (
+    interleaved,
+    load_average,
+    load_note,
+    machine_note,
+    ratio_summary,
+    summary,
+)
 
 VARIANTS = ("keep", "page-host", "page-disk", "recompute", "planner", "hf-checkpointing")
 CHOICE = {
@@ -48,13 +55,6 @@ CHOICE = {
     "page-disk": "page_disk",
     "recompute": "recompute",
 }
-
-
-def load_average() -> str:
-    try:
-        return " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "unknown"
 
 
 def _status(field: str) -> int | None:
@@ -155,16 +155,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             planners[name], plans[name] = planner, plan
         models[name] = model
 
-    times: dict[str, list[float]] = {name: [] for name in args.variants}
-    rss: dict[str, list[int]] = {name: [] for name in args.variants}
     for name in args.variants:  # warm-up
         for _ in range(args.warmup):
             step(models[name])
     load_before = load_average()
     can_reset = reset_peak_rss()
-    for _trial in range(args.trials):
-        for name in args.variants:
-            model = models[name]
+
+    def timed(model: Any) -> Callable[[int], tuple[float, int | None]]:
+        """Seconds per step, and the peak RSS above the start (None: not measurable)."""
+
+        def run(_: int) -> tuple[float, int | None]:
             gc.collect()
             trim_heap()
             base = _status("VmRSS")
@@ -175,11 +175,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for _ in range(args.steps):
                 step(model)
             sync()
-            times[name].append((time.perf_counter() - start) / args.steps)
+            seconds = (time.perf_counter() - start) / args.steps
             peak = _status("VmHWM")
             if can_reset and base is not None and peak is not None:
-                rss[name].append(peak - base)
-    load_after = load_average()
+                return seconds, peak - base
+            return seconds, None
+
+        return run
+
+    runs = interleaved({name: timed(models[name]) for name in args.variants}, args.trials)
+    times = {name: [t for t, _ in r] for name, r in runs.items()}
+    rss = {name: [b for _, b in r if b is not None] for name, r in runs.items()}
 
     # Saved-activation peaks: one tracked step per variant.
     saved: dict[str, int | None] = {}
@@ -207,31 +213,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for name in args.variants:
         per_trial = times[name]
         peak = saved[name]
-        entry: dict[str, Any] = {
+        results[name] = {
             "saved_peak_bytes": peak,
             "estimated_peak_bytes": estimated.get(name),
             "fits_budget": None if peak is None else peak <= budget,
-            "step_s_median": statistics.median(per_trial),
-            "step_s_min": min(per_trial),
-            "step_s_max": max(per_trial),
-            "per_trial_s": per_trial,
-            "peak_rss_above_start_bytes": statistics.median(rss[name]) if rss[name] else None,
+            "step_s": summary(per_trial),
+            "vs_keep": ratio_summary(per_trial, reference),
+            "peak_rss_above_start_bytes": summary(rss[name]).median if rss[name] else None,
         }
-        ratios = [t / r for t, r in zip(per_trial, reference, strict=True)]
-        entry.update(
-            ratio_median=statistics.median(ratios),
-            ratio_min=min(ratios),
-            ratio_max=max(ratios),
-        )
-        results[name] = entry
     return {
         "config": {k: v for k, v in vars(args).items() if k != "json"},
         "torch_threads": torch.get_num_threads(),
         "budget_bytes": budget,
         "keep_peak_estimated_bytes": keep_peak,
         "plan": plans["planner"].table() if "planner" in plans else None,
-        "load_average_before": load_before,
-        "load_average_after": load_after,
+        "load_average_before": load_note(load_before),
+        "load_average_after": load_note(),
+        "machine": machine_note(load_before),
         "variants": results,
     }
 
@@ -244,8 +242,8 @@ def report(result: dict[str, Any]) -> str:
         f"{c['trials']} trials x {c['steps']} steps",
         f"budget {result['budget_bytes'] / 1e6:.1f} MB of saved activations "
         f"({c['budget_fraction']:.0%} of the {result['keep_peak_estimated_bytes'] / 1e6:.1f} MB "
-        f"keeping everything needs); load average {result['load_average_before']} before, "
-        f"{result['load_average_after']} after",
+        f"keeping everything needs)",
+        result["machine"],
         "",
         "| variant | saved activations, peak (estimated) | fits | peak RSS above start | "
         "step time (median, min-max) | vs keep (median, min-max) |",
@@ -254,11 +252,7 @@ def report(result: dict[str, Any]) -> str:
     for name, r in result["variants"].items():
         rss = r["peak_rss_above_start_bytes"]
         rss_text = "n/a" if rss is None else f"{rss / 1e6:.0f} MB"
-        ratio = (
-            f"{r['ratio_median']:.2f}x ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})"
-            if "ratio_median" in r
-            else "n/a"
-        )
+        ratio = r["vs_keep"].format(2, "x")
         peak, est = r["saved_peak_bytes"], r["estimated_peak_bytes"]
         saved_text = "not counted" if peak is None else f"{peak / 1e6:.1f} MB"
         if est is not None:
@@ -266,8 +260,7 @@ def report(result: dict[str, Any]) -> str:
         fits = {None: "n/a", True: "yes", False: "no"}[r["fits_budget"]]
         lines.append(
             f"| {name} | {saved_text} | {fits} | {rss_text} | "
-            f"{r['step_s_median'] * 1e3:.0f} ms ({r['step_s_min'] * 1e3:.0f}-"
-            f"{r['step_s_max'] * 1e3:.0f}) | {ratio} |"
+            f"{r['step_s'].format(0, ' ms', scale=1e3)} | {ratio} |"
         )
     if result["plan"]:
         lines += ["", "The planner's decision:", "", result["plan"]]
@@ -297,8 +290,7 @@ def main() -> None:
     result = run(args)
     print(report(result))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump(result, handle, indent=2)
+        write_json(args.json, result)
 
 
 def _cuda() -> bool:
