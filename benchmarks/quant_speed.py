@@ -1,6 +1,7 @@
 """NF4 quantize / dequantize speed: sakura-quant against bitsandbytes and torchao, in one run.
 
-Variants, interleaved trial by trial on the same weight (``--size`` square, ``--dtype``):
+Variants, interleaved trial by trial (``sakura_bench.measure.interleaved``) on the same
+weight (``--size`` square, ``--dtype``):
 
 * ``sakura``        ``quantize_weight(w, "nf4")`` / ``dequantize_weight`` (C++ kernels)
 * ``sakura-torch``  the same with ``SAKURA_QUANT_NO_KERNEL=1`` (pure torch ops)
@@ -14,7 +15,8 @@ imports, and ``torch.set_num_threads``).  The run also checks that sakura's byte
 equal bitsandbytes' and that both dequantize to the same values.
 
 Reported per variant and operation: the median over trials, the min-max spread, and
-``bnb / variant`` (> 1: faster than bitsandbytes); the load average before and after.
+``bnb / variant`` (> 1: faster than bitsandbytes; the median of the per-trial ratios, with
+their spread); the CPU (model, flags) and the load average before and after.
 Large buffers come from the heap for every variant (``heap_for_large_buffers``): a fresh
 32 MiB ``mmap`` per output would otherwise time page faults, not the kernels.
 
@@ -64,7 +66,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -73,14 +74,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from _common import require_status_kib
+from _common import require_status_kib, write_json
 
-
-def load_average() -> str:
-    try:
-        return " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "n/a"
+from sakura_bench.measure import (
+    interleaved,
+    load_average,
+    load_note,
+    machine_note,
+    ratio_summary,
+    summary,
+)
 
 
 def parse() -> argparse.Namespace:
@@ -199,27 +202,28 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
         )
 
     stored = {name: quantize() for name, (quantize, _) in variants.items()}  # warm-up
-    times: dict[str, dict[str, list[float]]] = {
-        n: {"quantize": [], "dequantize": []} for n in variants
-    }
     for name, (_, dequantize) in variants.items():
         dequantize(stored[name])()  # warm-up
-    for _ in range(args.trials):
-        for name, (quantize, dequantize) in variants.items():
-            times[name]["quantize"].append(timed(quantize))
-            times[name]["dequantize"].append(timed(dequantize(stored[name])))
+    dequantizers = {name: dequantize(stored[name]) for name, (_, dequantize) in variants.items()}
+    runs = interleaved(
+        {
+            name: lambda _, q=quantize, dq=dequantizers[name]: (timed(q), timed(dq))
+            for name, (quantize, _) in variants.items()
+        },
+        args.trials,
+    )
+    times = {
+        name: {"quantize": [q for q, _ in r], "dequantize": [d for _, d in r]}
+        for name, r in runs.items()
+    }
 
     results: dict[str, Any] = {}
     for op in ("quantize", "dequantize"):
-        reference = statistics.median(times["bnb"][op]) if "bnb" in times else None
         for name in variants:
             ts = times[name][op]
-            med = statistics.median(ts)
             results.setdefault(name, {})[op] = {
-                "median_ms": med * 1e3,
-                "min_ms": min(ts) * 1e3,
-                "max_ms": max(ts) * 1e3,
-                "bnb_over_this": (reference / med) if reference else None,
+                "ms": summary(ts).scaled(1e3),
+                "bnb_over_this": ratio_summary(times["bnb"][op], ts) if "bnb" in times else None,
             }
     return {"results": results, "check": check, "notes": notes}
 
@@ -387,21 +391,14 @@ def qlora(args: argparse.Namespace) -> dict[str, Any]:
         return float(loss.item())
 
     first = {name: step(name) for name in runs}  # warm-up, and the same start for all
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    order = list(runs)
-    for trial in range(args.qlora_trials):
-        # a different contestant goes first each trial (a rotation of the order)
-        shift = trial % len(order)
-        for name in order[shift:] + order[:shift]:
-            times[name].append(timed(lambda name=name: step(name)))
-    ratios = {}
-    for rival, mine in QLORA_PAIRS:
-        per_trial = [b / s for b, s in zip(times[rival], times[mine], strict=True)]
-        ratios[f"{rival} / {mine}"] = {
-            "median": statistics.median(per_trial),
-            "min": min(per_trial),
-            "max": max(per_trial),
-        }
+    # a different contestant goes first each trial (a rotation of the order)
+    times = interleaved(
+        {name: lambda _, name=name: timed(lambda: step(name)) for name in runs},
+        args.qlora_trials,
+    )
+    ratios = {
+        f"{rival} / {mine}": ratio_summary(times[rival], times[mine]) for rival, mine in QLORA_PAIRS
+    }
     out: dict[str, Any] = {
         "tokens_per_step": count,
         "check": check,
@@ -434,8 +431,9 @@ def main() -> None:
         "dtype": args.dtype,
         "threads": args.threads,
         "trials": args.trials,
-        "load_before": load_average(),
+        "load_before": load_note(),
     }
+    load_before = load_average()
     report["allocator"] = heap_for_large_buffers()
     report.update(speed(args))
     if args.load_rss:
@@ -449,25 +447,22 @@ def main() -> None:
             report["notes"]["qlora"] = "needs bitsandbytes"
         else:
             report["qlora"] = qlora(args)
-    report["load_after"] = load_average()
+    report["load_after"] = load_note()
+    report["machine"] = machine_note(load_before)
 
     print(
         f"NF4, {args.size}x{args.size} {args.dtype}, {args.threads} thread(s), "
-        f"{args.trials} trials; load {report['load_before']} -> {report['load_after']}; "
-        f"{report['allocator']}"
+        f"{args.trials} trials; {report['allocator']}\n  {report['machine']}"
     )
     for key, value in report["check"].items():
         print(f"  {key}: {value}")
     for name, why in report["notes"].items():
         print(f"  {name} not run: {why}")  # the QLoRA step's note too
-    print(f"  {'variant':14s} {'op':11s} {'median ms':>10s} {'min-max ms':>17s} {'bnb/this':>9s}")
+    print(f"  {'variant':14s} {'op':11s} {'ms, median (min-max)':>26s} {'bnb/this':>22s}")
     for name, ops in report["results"].items():
         for op, r in ops.items():
-            ratio = f"{r['bnb_over_this']:.2f}x" if r["bnb_over_this"] else "-"
-            print(
-                f"  {name:14s} {op:11s} {r['median_ms']:10.1f} "
-                f"{r['min_ms']:8.1f}-{r['max_ms']:<8.1f} {ratio:>9s}"
-            )
+            ratio = r["bnb_over_this"].format(2, "x") if r["bnb_over_this"] else "-"
+            print(f"  {name:14s} {op:11s} {r['ms'].format(1):>26s} {ratio:>22s}")
     if "load_model_rss" in report:
         rss = report["load_model_rss"]
         mib = 1 / 2**20
@@ -496,19 +491,13 @@ def main() -> None:
             + ", ".join(f"{name} {loss:.6f}" for name, loss in q["first_loss"].items())
         )
         for name, ts in q["steps_s"].items():
-            print(
-                f"    {name:12s} median {statistics.median(ts):.3f} s ({min(ts):.3f}-{max(ts):.3f})"
-            )
+            print(f"    {name:12s} median {summary(ts).format(3, ' s')}")
         for pair, r in q["ratios"].items():
-            print(
-                f"    {pair} per trial: median {r['median']:.3f}x "
-                f"({r['min']:.3f}-{r['max']:.3f}; > 1: the second is faster)"
-            )
+            print(f"    {pair} per trial: median {r.format(3, 'x')} (> 1: the second is faster)")
         for name, text in q.get("profile", {}).items():
             print(f"\n  profile of one {name} step:\n{text}")
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(report, fh, indent=2)
+        write_json(args.json, report)
 
 
 if __name__ == "__main__":
