@@ -27,7 +27,8 @@ if ! "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() el
     exit 0
 fi
 
-export PYTHONPATH="core/src:packages/sakura-quant/src:packages/sakura-offload/src${PYTHONPATH:+:$PYTHONPATH}"
+# sakura-bench for its statistics (sakura_bench.measure imports no torch and nothing else of it)
+export PYTHONPATH="core/src:packages/sakura-torch/src:packages/sakura-quant/src:packages/sakura-offload/src:packages/sakura-bench/src${PYTHONPATH:+:$PYTHONPATH}"
 cache="$(mktemp -d)"
 export SAKURA_QUANT_CACHE="$cache/quant" SAKURA_OFFLOAD_CACHE="$cache/offload"
 unset SAKURA_QUANT_NO_KERNEL SAKURA_OFFLOAD_NO_KERNEL
@@ -45,7 +46,7 @@ status=0
 # (a GPU test that skips here is a failure of the check, see the grep below).
 timeout 180 "$python" -m pytest -c pyproject.toml --import-mode=importlib -p no:cacheprovider \
     -q -rs \
-    core/tests/test_native_cuda.py \
+    packages/sakura-torch/tests/test_native_cuda.py \
     packages/sakura-quant/tests/test_kernel_cuda.py \
     packages/sakura-offload/tests/test_kernel_cuda.py 2>&1 | tee "$out/pytest.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

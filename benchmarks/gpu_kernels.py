@@ -9,8 +9,10 @@
   ``OffloadAdamW(backend="cpp")`` (gradient to the host, C++ kernel, weights back) and
   ``torch.optim.AdamW(fused=True)`` with its state on the device.
 
-Each way is timed ``--trials`` times (CUDA events around ``--repeat`` calls); the table gives
-the median per call with min-max, and the ratio of medians to the first row of its group.
+Each way is timed ``--trials`` times (CUDA events around ``--repeat`` calls), the ways of a
+group interleaved trial by trial (``sakura_bench.measure.interleaved``) after one warm-up
+call each; the table gives the median per call with min-max, and the ratio to the first row
+of its group (the median of the per-trial ratios, with min-max).
 Without a CUDA device it says so and exits 0 (``nox -s bench`` runs it everywhere).
 
     python benchmarks/gpu_kernels.py [--trials 7] [--repeat 10] [--params 50_000_000]
@@ -20,64 +22,66 @@ Without a CUDA device it says so and exits 0 (``nox -s bench`` runs it everywher
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from _common import write_json
 
-def _time(fn: Callable[[], Any], trials: int, repeat: int) -> list[float]:
-    """Seconds per call, one figure per trial (after one warm-up call)."""
+from sakura_bench.measure import interleaved, machine_note, ratio_summary, summary
+
+
+def _timed(fn: Callable[[], Any], repeat: int) -> Callable[[int], float]:
+    """A contender of :func:`interleaved`: seconds per call of ``fn`` over ``repeat`` calls,
+    between two CUDA events."""
     import torch
 
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(trials):
+    def run(_: int) -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(repeat):
             fn()
         end.record()
         end.synchronize()
-        out.append(start.elapsed_time(end) / 1e3 / repeat)
-    return out
+        return start.elapsed_time(end) / 1e3 / repeat
+
+    return run
 
 
 def _group(
     title: str, ways: dict[str, Callable[[], Any]], trials: int, repeat: int
 ) -> list[dict[str, Any]]:
-    rows = []
+    import torch
+
+    rows: dict[str, dict[str, Any]] = {}
+    runnable: dict[str, Callable[[int], float]] = {}
     for name, fn in ways.items():
-        try:
-            times = _time(fn, trials, repeat)
-        except Exception as exc:  # a rival that cannot run here is reported, not fatal
-            rows.append({"group": title, "way": name, "error": f"{type(exc).__name__}: {exc}"})
+        try:  # the warm-up call; a rival that cannot run here is reported, not fatal
+            fn()
+            torch.cuda.synchronize()
+        except Exception as exc:
+            rows[name] = {"group": title, "way": name, "error": f"{type(exc).__name__}: {exc}"}
             continue
-        rows.append(
-            {
-                "group": title,
-                "way": name,
-                "median_s": statistics.median(times),
-                "min_s": min(times),
-                "max_s": max(times),
-                "trials_s": times,
-            }
+        rows[name] = {"group": title, "way": name}
+        runnable[name] = _timed(fn, repeat)
+    times = interleaved(runnable, trials) if runnable else {}
+    first = next(iter(times.values()), None)
+    for name, ts in times.items():
+        rows[name].update(
+            seconds=summary(ts),
+            ratio_to_first=ratio_summary(ts, first) if first is not None else None,
         )
-    base = next((r["median_s"] for r in rows if "median_s" in r), None)
     print(f"\n{title}")
-    for r in rows:
+    for r in rows.values():
         if "error" in r:
             print(f"  {r['way']:<44} not run: {r['error'][:120]}")
             continue
-        r["ratio_to_first"] = r["median_s"] / base if base else None
         print(
-            f"  {r['way']:<44} {r['median_s'] * 1e3:9.3f} ms "
-            f"({r['min_s'] * 1e3:.3f}-{r['max_s'] * 1e3:.3f})  x{r['ratio_to_first']:.2f}"
+            f"  {r['way']:<44} {r['seconds'].format(3, ' ms', scale=1e3):>28}  "
+            f"x{r['ratio_to_first'].format(2)}"
         )
-    return rows
+    return list(rows.values())
 
 
 def nf4(trials: int, repeat: int) -> list[dict[str, Any]]:
@@ -173,12 +177,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(
         f"device: {torch.cuda.get_device_name()}, torch {torch.__version__} (CUDA {torch.version.cuda})"
+        f"\n{machine_note()}"
     )
     rows = nf4(args.trials, args.repeat) + adamw(args.trials, args.repeat, args.params)
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(
-            json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1)
+        write_json(
+            args.json,
+            {"device": torch.cuda.get_device_name(), "machine": machine_note(), "rows": rows},
         )
     return 0
 

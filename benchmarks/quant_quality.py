@@ -36,7 +36,7 @@ times for the tiny model, with different seeds (adapter init and batches); the t
 the median and the min-max spread of "after"; "before" is deterministic.
 
 Reported: perplexity, its change against ``none``, bytes per weight of the quantized layers,
-the seconds per format, the load average.
+the seconds per format, the CPU (model, flags) and the load average.
 
 Run: ``python benchmarks/quant_quality.py`` (the 8 formats the targets name, 4 windows, 3
 one-row fine-tune steps, the tiny model pretrained 150 steps: a few minutes, about a quarter
@@ -55,12 +55,14 @@ import importlib.util
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from typing import Any
 
+from _common import write_json
 from _smollm2 import INSTALL_HINT, gguf_folder, stdlib_text
+
+from sakura_bench.measure import load_average, load_note, machine_note, summary
 
 EVAL_MODULES = ("json/decoder.py", "textwrap.py", "heapq.py", "bisect.py", "shlex.py")
 TRAIN_MODULES = ("csv.py", "fnmatch.py", "glob.py", "colorsys.py", "calendar.py")
@@ -150,10 +152,6 @@ def parse() -> argparse.Namespace:
         args.formats.remove("bnb-nf4")
         args.notes.append("bnb-nf4 left out: bitsandbytes is not installed")
     return args
-
-
-def load_average() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def load_smollm2() -> tuple[Any, Any, Any, str]:
@@ -328,7 +326,7 @@ def run_model(which: str, args: argparse.Namespace) -> dict[str, Any]:
             del model, lora
         row["seconds"] = time.perf_counter() - started
         rows[fmt] = row
-        after = f"  after {statistics.median(row['after']):.6f}" if row["after"] else ""
+        after = f"  after {summary(row['after']).format(6)}" if row["after"] else ""
         print(f"  {fmt:8s} before {row['before']:.6f}{after}  ({row['seconds']:.0f} s)", flush=True)
     return {"description": desc, "repeat": repeat, "rows": rows}
 
@@ -354,12 +352,9 @@ def table(result: dict[str, Any], args: argparse.Namespace) -> list[str]:
         vs = pct(row["before"], ref["before"]) if ref else "-"
         line = f"| {fmt} | {bpw} | {row['before']:.4f} | {vs} |"
         if args.train_steps:
-            med = statistics.median(row["after"])
-            cell = f"{med:.4f}"
-            if len(row["after"]) > 1:
-                cell += f" ({min(row['after']):.4f}-{max(row['after']):.4f})"
-            ref_after = statistics.median(ref["after"]) if ref else None
-            line += f" {cell} | {pct(med, ref_after) if ref_after else '-'} |"
+            after = summary(row["after"])
+            ref_after = summary(ref["after"]).median if ref else None
+            line += f" {after.format(4)} | {pct(after.median, ref_after) if ref_after else '-'} |"
         lines.append(line)
     if "nf4" in rows and "bnb-nf4" in rows:
         same_before = rows["nf4"]["before"] == rows["bnb-nf4"]["before"]
@@ -383,23 +378,25 @@ def main() -> None:
     load_before = load_average()
     started = time.perf_counter()
     results = {which: run_model(which, args) for which in args.models}
-    load_after = load_average()
     print(
         f"\n{args.windows} windows x {args.seq} held-out tokens; LoRA r={args.rank} on every "
         f"projection, {args.train_steps} steps of batch {args.batch}, lr {args.lr}; LoftQ "
         f"error_iters={args.error_iters}; keep_precise={args.keep_precise!r}; "
-        f"{args.threads} thread(s); {time.perf_counter() - started:.0f} s; "
-        f"load {load_before} -> {load_after}\n"
+        f"{args.threads} thread(s); {time.perf_counter() - started:.0f} s\n"
+        f"{machine_note(load_before)}\n"
     )
     for result in results.values():
         print("\n".join(table(result, args)) + "\n")
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(
-                {"args": vars(args), "results": results, "load": [load_before, load_after]},
-                fh,
-                indent=2,
-            )
+        write_json(
+            args.json,
+            {
+                "args": vars(args),
+                "results": results,
+                "load": [load_note(load_before), load_note()],
+                "machine": machine_note(load_before),
+            },
+        )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """ZeRO on 2 gloo ranks: sakura's ZeRO1 / ZeRO2 against torch's ZeroRedundancyOptimizer.
 
 One run, same model, same data, same AdamW settings, variants interleaved trial by trial
-so they share the machine's state:
+(``sakura_bench.measure.interleaved``) so they share the machine's state:
 
 * ``unsharded``        AdamW + DDP (the reference: every rank holds all optimizer state)
 * ``torch-zero``       ``torch.distributed.optim.ZeroRedundancyOptimizer(AdamW)`` + DDP
@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from sakura_bench.measure import interleaved, load_average, machine_note, ratio_summary, summary
 
 VARIANTS = ("unsharded", "torch-zero", "sakura-zero1", "sakura-zero2-ddp", "sakura-zero2")
 EXTRA_VARIANTS = ("sakura-zero1-no-overlap", "sakura-zero1-greedy", "sakura-zero1-contiguous")
@@ -167,15 +169,17 @@ def collectives(rank: int, world: int, out: str, args: argparse.Namespace) -> No
         ),
         "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(full, part),
     }
-    times: dict[str, list[float]] = {name: [] for name in cases}
-    for fn in cases.values():  # warm-up
-        fn()
-    for _ in range(args.trials):
-        for name, fn in cases.items():
+
+    def timed(fn: Any) -> Any:
+        def run(_: int) -> float:
             dist.barrier()
             t0 = time.perf_counter()
             fn()
-            times[name].append(time.perf_counter() - t0)
+            return time.perf_counter() - t0
+
+        return run
+
+    times = interleaved({name: timed(fn) for name, fn in cases.items()}, args.trials, warmup=1)
     Path(out, f"rank{rank}.json").write_text(json.dumps({"collectives": times}))
 
 
@@ -202,22 +206,26 @@ def worker(rank: int, world: int, init: str, out: str, args: argparse.Namespace)
             tokens = next(it)
             for v in variants:
                 v.iteration(tokens, timed=False)
-        per_trial: dict[str, dict[str, list[float]]] = {
-            v.name: {"step": [], "iter": []} for v in variants
-        }
-        for trial in range(args.trials):
-            batches = [next(it) for _ in range(args.steps)]
-            # interleaved: every trial runs every variant in turn, starting from a different
-            # one each time so that no variant always follows the same neighbour
-            shift = trial % len(variants)
-            for v in variants[shift:] + variants[:shift]:
+        trial_batches = [[next(it) for _ in range(args.steps)] for _ in range(args.trials)]
+
+        def trial_of(v: Variant) -> Any:
+            def run(trial: int) -> tuple[float, float]:
                 dist.barrier()
                 v.step_times.clear()
                 v.iter_times.clear()
-                for tokens in batches:
+                for tokens in trial_batches[trial]:
                     v.iteration(tokens, timed=True)
-                per_trial[v.name]["step"].append(statistics.fmean(v.step_times))
-                per_trial[v.name]["iter"].append(statistics.fmean(v.iter_times))
+                return statistics.fmean(v.step_times), statistics.fmean(v.iter_times)
+
+            return run
+
+        # interleaved: every trial runs every variant in turn, starting from a different
+        # one each time so that no variant always follows the same neighbour (both ranks
+        # run the same order: the rotation depends on the trial only)
+        runs = interleaved({v.name: trial_of(v) for v in variants}, args.trials)
+        per_trial = {
+            name: {"step": [s for s, _ in r], "iter": [i for _, i in r]} for name, r in runs.items()
+        }
         reference = variants[0].net if variants[0].name == "unsharded" else None
         result: dict[str, Any] = {"rank": rank, "params": n_params, "variants": {}}
         for v in variants:
@@ -246,13 +254,6 @@ def worker(rank: int, world: int, init: str, out: str, args: argparse.Namespace)
         dist.destroy_process_group()
 
 
-def _loadavg() -> str:
-    try:
-        return Path("/proc/loadavg").read_text().split(" ", 1)[0]
-    except OSError:
-        return "n/a"
-
-
 def launch(args: argparse.Namespace) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
@@ -271,8 +272,7 @@ def launch(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _fmt_ms(values: list[float]) -> str:
-    med = statistics.median(values) * 1e3
-    return f"{med:7.1f} ms ({min(values) * 1e3:.1f}-{max(values) * 1e3:.1f})"
+    return summary(values).format(1, " ms", scale=1e3)
 
 
 def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
@@ -320,15 +320,10 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
         for name in names:
             if not name.startswith("sakura"):
                 continue
-            ratios = {
-                kind: [b / s for b, s in zip(base[kind], per_trial[name][kind], strict=True)]
-                for kind in ("step", "iter")
-            }
+            step = ratio_summary(base["step"], per_trial[name]["step"])
+            it = ratio_summary(base["iter"], per_trial[name]["iter"])
             lines.append(
-                f"  {name:24s} optimizer step {statistics.median(ratios['step']):.2f}x "
-                f"({min(ratios['step']):.2f}-{max(ratios['step']):.2f}), iteration "
-                f"{statistics.median(ratios['iter']):.2f}x "
-                f"({min(ratios['iter']):.2f}-{max(ratios['iter']):.2f})"
+                f"  {name:24s} optimizer step {step.format(2, 'x')}, iteration {it.format(2, 'x')}"
             )
     for name in names:
         extra = results[0]["variants"][name]
@@ -370,7 +365,7 @@ def main() -> None:
     if args._rank is not None:
         worker(args._rank, args.world, os.path.join(args._dir, "init"), args._dir, args)
         return
-    load_before = _loadavg()
+    load_before = load_average()
     results = launch(args)
     if args.collectives:
         print(
@@ -383,8 +378,7 @@ def main() -> None:
     else:
         print(report(results, args))
     print(
-        f"machine: {os.cpu_count()} CPUs, 1-minute load average {load_before} before the run, "
-        f"{_loadavg()} after (other processes share the machine"
+        f"machine: {machine_note(load_before)} (other processes share the machine"
         + ("" if args.collectives else "; the paired ratios compare variants under the same load")
         + ")"
     )
