@@ -156,7 +156,7 @@ def triad(n: int, threads: int, trials: int) -> dict[str, float]:
     """Best-of-trials bandwidth (GB/s) of a = b + k*c, by torch and by sakura's kernel."""
     import torch
 
-    from sakura_offload._kernel import load_kernel
+    from sakura_offload.host_optimizer.kernel import load_kernel
 
     a, b, c = torch.empty(n), torch.rand(n), torch.rand(n)
     kernel = load_kernel(required=True)

@@ -105,7 +105,7 @@ def make_model(args: argparse.Namespace) -> Any:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from sakura_offload.memory_planner import MemoryPlanner
+    from sakura_offload.planner import MemoryPlanner
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -15,8 +15,8 @@ from _offload_models import batches, loss_of, mlp
 from sakura import ConfigError
 from sakura.options import OptionError
 from sakura_offload import OffloadAdamW
-from sakura_offload.device_stream import HostPipeline
-from sakura_offload.event_wait import EventWait
+from sakura_offload.host_optimizer.device_stream import HostPipeline
+from sakura_offload.host_optimizer.event_wait import EventWait
 
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.05}
 

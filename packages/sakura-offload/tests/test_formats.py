@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sakura_offload import _formats as fmt
+from sakura_offload.host_optimizer import moments as fmt
 
 
 def test_tables_are_monotonic_and_topped_at_one() -> None:
@@ -140,7 +140,7 @@ def test_random_bits_match_the_scalar_hash() -> None:
 
 
 def test_kernel_decodes_every_code_as_the_tables() -> None:
-    from sakura_offload._kernel import load_kernel
+    from sakura_offload.host_optimizer.kernel import load_kernel
 
     kernel = load_kernel(required=True)
     assert kernel is not None

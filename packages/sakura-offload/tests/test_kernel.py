@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sakura_offload import OffloadAdamW, _kernel
+from sakura_offload import OffloadAdamW
+from sakura_offload.host_optimizer import kernel as _kernel
 
 
 @pytest.fixture

@@ -19,10 +19,11 @@ from _offload_models import (
     train,
 )
 
-from sakura.native_cuda import find_nvcc
-from sakura_offload import OffloadAdamW, _kernel
-from sakura_offload import optimizer as optimizer_module
-from sakura_offload._backends import CudaBackend, TorchBackend
+from sakura_offload import OffloadAdamW
+from sakura_offload.host_optimizer import kernel as _kernel
+from sakura_offload.host_optimizer import optimizer as optimizer_module
+from sakura_offload.host_optimizer.backends import CudaBackend, TorchBackend
+from sakura_torch.native_cuda import find_nvcc
 
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.05}
 EXPORTS = {
@@ -206,7 +207,7 @@ def test_on_a_device_host_updates_through_the_side_stream_pipeline(
     """The default backend on CUDA parameters: gradients copied off on a side stream, the
     host kernel on a worker thread, the weights copied back; the same bits as the same host
     update of CPU copies of the parameters given the same gradients."""
-    from sakura_offload.device_stream import CudaTransfer
+    from sakura_offload.host_optimizer.device_stream import CudaTransfer
 
     device_model, host_model = _mlp_on("cuda", param_dtype), _mlp_on("cpu", param_dtype)
     device_opt = OffloadAdamW(device_model.parameters(), **HYPER)

@@ -10,17 +10,17 @@ import pytest
 import torch
 from _offload_models import tiny_llama as llama
 
-from sakura import SakuraRuntime
+from sakura import SakuraRuntime, marks
 from sakura.options import OptionError
-from sakura_offload.memory_planner import (
+from sakura_offload.planner import (
     CHOICES,
     MemoryBudgetError,
     MemoryPlan,
     MemoryPlanner,
-    MemoryPlanService,
     parse_bytes,
     plan_memory,
 )
+from sakura_offload.planner.service import MemoryPlannerService
 
 transformers = pytest.importorskip("transformers")
 
@@ -193,7 +193,7 @@ def test_options_are_validated() -> None:
     with pytest.raises(OptionError, match="blocks"):
         MemoryPlanner(1, blocks="NoSuchLayer").attach(llama())
     with pytest.raises(OptionError, match="measure_steps=0"):
-        MemoryPlanService(1, measure_steps=0)
+        MemoryPlannerService(1, measure_steps=0)
     _, plan_maker, _ = planner()
     with pytest.raises(OptionError, match="choices='swap'"):
         plan_maker.decide("swap")
@@ -201,6 +201,27 @@ def test_options_are_validated() -> None:
         plan_maker.decide({"model.layers.9": "keep"})
     with pytest.raises(OptionError, match="trials=0"):
         MemoryPlanner(1).plan(llama(), tokens(), trials=0)
+
+
+def test_blocks_recomputed_by_another_service_are_refused() -> None:
+    # The public mark, as any service that recomputes a block sets it ...
+    model = llama()
+    marks.set_mark(model.model.layers[1], marks.RECOMPUTED, "some_service")
+    with pytest.raises(
+        ValueError, match=r"block model\.layers\.1 is already checkpointed by 'some_service'"
+    ):
+        MemoryPlanner(1).attach(model)
+    assert all("forward" not in block.__dict__ for block in model.model.layers)
+    marks.clear_mark(model.model.layers[1], marks.RECOMPUTED)
+    MemoryPlanner(1).attach(model)  # ... and without it the block is planned
+
+
+def test_blocks_of_activation_checkpoint_are_refused() -> None:
+    precision = pytest.importorskip("sakura_precision")
+    model = llama()
+    precision.ActivationCheckpoint().wrap_model(model)
+    with pytest.raises(ValueError, match="already checkpointed by 'activation_checkpoint'"):
+        MemoryPlanner(1).attach(model)
 
 
 def test_remove_restores_the_blocks(reference: Any) -> None:
@@ -218,7 +239,7 @@ def test_the_service_measures_then_plans_through_wrap_model(
     plain, planned = llama(), llama()
     with SakuraRuntime() as rt:
         service = rt.install(f"memory_plan:budget={budget},min_bytes=1024,track=true")
-        assert isinstance(service, MemoryPlanService)
+        assert isinstance(service, MemoryPlannerService)
         planned, _ = rt.prepare(planned, None)
         optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, planned)]
         for i in range(4):

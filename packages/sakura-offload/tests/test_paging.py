@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sakura.options import OptionError
-from sakura_offload.paging import ActivationPaging, is_broadcast, is_dense
+from sakura_offload.paging.activations import ActivationPaging, is_broadcast, is_dense
 
 
 class Block(torch.nn.Module):

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from sakura.options import OptionError
-from sakura_offload import _plan_costs, memory_planner
-from sakura_offload.memory_planner import MemoryPlanner, MemoryPlanService
+from sakura_offload.planner import MemoryPlanner, apply, cost
+from sakura_offload.planner.service import MemoryPlannerService
 
 WIDTH = 256
 
@@ -68,14 +68,14 @@ SECONDS_PER_BYTE = {"host": 0.5e-6, "disk": 0.2e-6}
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     fake = FakeClock()
-    monkeypatch.setattr(_plan_costs, "clock", fake)
-    pack = memory_planner._Pager.pack
+    monkeypatch.setattr(cost, "clock", fake)
+    pack = apply._Pager.pack
 
     def charged_pack(self: Any, t: torch.Tensor) -> Any:
         fake.now += t.numel() * t.element_size() * SECONDS_PER_BYTE[self.tier]
         return pack(self, t)
 
-    monkeypatch.setattr(memory_planner._Pager, "pack", charged_pack)
+    monkeypatch.setattr(apply._Pager, "pack", charged_pack)
     return fake
 
 
@@ -207,7 +207,7 @@ def test_the_option_is_validated() -> None:
         MemoryPlanner(1, cost_trials=-1)
     with pytest.raises(OptionError, match="cost_trials='3'"):
         MemoryPlanner(1, cost_trials="3")  # type: ignore[arg-type]
-    assert MemoryPlanService(1, cost_trials=0).planner.cost_trials == 0
+    assert MemoryPlannerService(1, cost_trials=0).planner.cost_trials == 0
 
 
 class InPlaceBlock(Block):
@@ -244,7 +244,9 @@ def test_trials_in_the_service_change_nothing_the_training_holds() -> None:
     planned.load_state_dict(plain.state_dict())
     with SakuraRuntime() as rt:
         service = rt.install(
-            MemoryPlanService("1GB", blocks=InPlaceBlock, min_bytes=0, cost_trials=2, report=False)
+            MemoryPlannerService(
+                "1GB", blocks=InPlaceBlock, min_bytes=0, cost_trials=2, report=False
+            )
         )
         planned, _ = rt.prepare(planned, None)
         optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, planned)]

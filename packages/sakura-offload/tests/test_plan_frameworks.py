@@ -13,7 +13,8 @@ import torch
 from _offload_models import tiny_llama as llama
 
 from sakura import SakuraRuntime
-from sakura_offload.memory_planner import MemoryPlanner, MemoryPlanService
+from sakura_offload.planner import MemoryPlanner
+from sakura_offload.planner.service import MemoryPlannerService
 
 transformers = pytest.importorskip("transformers")
 
@@ -37,11 +38,11 @@ def budget() -> int:
     return (plan.keep_peak + plan.least_peak) // 2
 
 
-def service(limit: int) -> MemoryPlanService:
-    return MemoryPlanService(limit, min_bytes=1024, track=True, report=False, cost_trials=2)
+def service(limit: int) -> MemoryPlannerService:
+    return MemoryPlannerService(limit, min_bytes=1024, track=True, report=False, cost_trials=2)
 
 
-def check(service: MemoryPlanService, limit: int, trained: Any, reference: Any) -> None:
+def check(service: MemoryPlannerService, limit: int, trained: Any, reference: Any) -> None:
     plan = service.plan
     assert plan is not None and plan.budget == limit
     assert set(plan.choices.values()) != {"keep"}

@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 import torch
 
+from sakura import marks
 from sakura.options import OptionError
-from sakura_offload.paging import ActivationPaging
-from sakura_offload.weights import WeightPaging, frozen_block_bytes
+from sakura_offload.paging.activations import ActivationPaging
+from sakura_offload.paging.weights import WeightPaging, frozen_block_bytes
 
 WIDTH = 24
 
@@ -156,6 +157,16 @@ def test_training_is_bit_identical_and_at_most_prefetch_plus_one_blocks_live(
     block = model.blocks[2]
     assert block.down.data_ptr() == paging._blocks[2].host["down"].data_ptr()
     assert block.adapter.weight.requires_grad  # trainable parameters are not paged
+
+
+def test_streamed_blocks_carry_the_public_mark_until_removed() -> None:
+    model = net()
+    paging = WeightPaging(model, indices=[3, 1])
+    streamed = [i for i, b in enumerate(model.blocks) if marks.has_mark(b, marks.WEIGHTS_STREAMED)]
+    assert streamed == [1, 3]
+    assert marks.get_mark(model.blocks[1], marks.WEIGHTS_STREAMED) == "weight_paging"
+    paging.remove()
+    assert not any(marks.has_mark(b, marks.WEIGHTS_STREAMED) for b in model.blocks)
 
 
 def test_forward_and_backward_each_materialise_every_block_once() -> None:
@@ -300,7 +311,7 @@ def test_recomputation_inside_paged_blocks() -> None:
 
 
 def test_blocks_are_selected_as_the_core_selects_them() -> None:
-    from sakura.blocks import find_blocks
+    from sakura_torch.blocks import find_blocks
 
     model = tiny_lora_llama()
     for selector in (None, "LlamaDecoderLayer", lambda name, m: name.endswith("mlp")):
@@ -435,7 +446,7 @@ def test_composes_with_the_memory_planner(first: str, choice: str, tmp_path: Pat
     """The planner's hooks inside a block pass its weights on to WeightPaging (tokens, not
     activations): the measured activation bytes are the unpaged model's, no device copy is
     kept alive, and training is bit-identical under every choice."""
-    from sakura_offload.memory_planner import MemoryPlanner
+    from sakura_offload.planner import MemoryPlanner
 
     def planner(model: Net) -> tuple[MemoryPlanner, Any]:
         made = MemoryPlanner(10**12, blocks=Block, min_bytes=0, directory=tmp_path, cost_trials=1)

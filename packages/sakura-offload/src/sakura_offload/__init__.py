@@ -1,8 +1,16 @@
-"""sakura-offload: AdamW with its moments and fp32 master weights in host RAM, updated by a
-vectorised, multi-threaded C++ kernel (built on first use, cached) or a pure-torch path.
+"""sakura-offload: fit bigger models by moving training state off the device.
 
-``OffloadAdamW`` is a ``torch.optim.Optimizer``; ``OffloadAdamWService`` (spec string
-``offload_adamw``) swaps a loop's AdamW for it through ``rt.prepare`` / ``wrap_optimizer``.
+One sub-package per feature (the guide: ``docs/offload.md``):
+
+* :mod:`sakura_offload.host_optimizer`: ``OffloadAdamW``, AdamW with its moments and fp32
+  master weights in host RAM, updated by a vectorised, multi-threaded C++ kernel (built on
+  first use, cached), a CUDA kernel or a pure-torch path; ``OffloadAdamWService`` (spec
+  ``offload_adamw``) swaps a loop's AdamW for it;
+* :mod:`sakura_offload.paging`: ``ActivationPaging`` (saved activations to host RAM or
+  disk) and ``WeightPaging`` (frozen weights streamed from host RAM per block);
+* :mod:`sakura_offload.planner`: ``MemoryPlanner``, keep / page / recompute per block to
+  fit a budget; ``MemoryPlannerService`` (spec ``memory_plan``);
+* :mod:`sakura_offload.loss`: the chunked causal-LM loss (it moves to sakura-kernels).
 """
 
 from __future__ import annotations
@@ -11,42 +19,42 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from sakura_offload.host_optimizer.optimizer import OffloadAdamW
+    from sakura_offload.host_optimizer.service import OffloadAdamWService
     from sakura_offload.loss import causal_lm_loss, chunked_causal_lm_loss
-    from sakura_offload.memory_planner import (
-        MemoryBudgetError,
-        MemoryPlan,
-        MemoryPlanner,
-        MemoryPlanService,
-        plan_memory,
-    )
-    from sakura_offload.optimizer import OffloadAdamW
-    from sakura_offload.service import OffloadAdamWService
-    from sakura_offload.weights import WeightPaging, WeightPagingStats, frozen_block_bytes
+    from sakura_offload.paging.activations import ActivationPaging, PagingStats
+    from sakura_offload.paging.weights import WeightPaging, WeightPagingStats, frozen_block_bytes
+    from sakura_offload.planner import MemoryBudgetError, MemoryPlan, MemoryPlanner, plan_memory
+    from sakura_offload.planner.service import MemoryPlannerService
 
 # Exports load on first use: the plugin module (sakura_offload.plugin) is imported whenever
 # sakura lists plugins, and that must not import torch.
 _EXPORTS = {
-    "OffloadAdamW": "sakura_offload.optimizer",
-    "OffloadAdamWService": "sakura_offload.service",
+    "OffloadAdamW": "sakura_offload.host_optimizer.optimizer",
+    "OffloadAdamWService": "sakura_offload.host_optimizer.service",
     "causal_lm_loss": "sakura_offload.loss",
     "chunked_causal_lm_loss": "sakura_offload.loss",
-    "WeightPaging": "sakura_offload.weights",
-    "WeightPagingStats": "sakura_offload.weights",
-    "frozen_block_bytes": "sakura_offload.weights",
-    "MemoryBudgetError": "sakura_offload.memory_planner",
-    "MemoryPlan": "sakura_offload.memory_planner",
-    "MemoryPlanner": "sakura_offload.memory_planner",
-    "MemoryPlanService": "sakura_offload.memory_planner",
-    "plan_memory": "sakura_offload.memory_planner",
+    "ActivationPaging": "sakura_offload.paging.activations",
+    "PagingStats": "sakura_offload.paging.activations",
+    "WeightPaging": "sakura_offload.paging.weights",
+    "WeightPagingStats": "sakura_offload.paging.weights",
+    "frozen_block_bytes": "sakura_offload.paging.weights",
+    "MemoryBudgetError": "sakura_offload.planner",
+    "MemoryPlan": "sakura_offload.planner",
+    "MemoryPlanner": "sakura_offload.planner",
+    "MemoryPlannerService": "sakura_offload.planner.service",
+    "plan_memory": "sakura_offload.planner",
 }
 
 __all__ = [
+    "ActivationPaging",
     "MemoryBudgetError",
     "MemoryPlan",
-    "MemoryPlanService",
     "MemoryPlanner",
+    "MemoryPlannerService",
     "OffloadAdamW",
     "OffloadAdamWService",
+    "PagingStats",
     "WeightPaging",
     "WeightPagingStats",
     "causal_lm_loss",

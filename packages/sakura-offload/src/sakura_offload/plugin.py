@@ -10,11 +10,11 @@ from sakura.hookspecs import Register, hookimpl
 def sakura_register_services(register: Register) -> None:
     register(
         "offload_adamw",
-        "sakura_offload.service:OffloadAdamWService",
+        "sakura_offload.host_optimizer.service:OffloadAdamWService",
         description="AdamW with moments and fp32 master weights in host RAM (C++ kernel)",
     )
     register(
         "memory_plan",
-        "sakura_offload.memory_planner:MemoryPlanService",
+        "sakura_offload.planner.service:MemoryPlannerService",
         description="per block keep / page / recompute of saved activations to fit a memory budget",
     )

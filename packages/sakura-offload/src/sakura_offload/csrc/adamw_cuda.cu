@@ -1,7 +1,7 @@
 // sakura-offload: the AdamW update of csrc/host_adamw.cpp on a CUDA device, for fp32, bf16
 // (stochastic rounding) and blockwise 8-bit moments, in the same formats.
 //
-// A plain C ABI with no torch headers: compiled with nvcc by sakura.native_cuda (no CUDA
+// A plain C ABI with no torch headers: compiled with nvcc by sakura_torch.native_cuda (no CUDA
 // build of torch needed), called through ctypes with tensor.data_ptr() and
 // torch.cuda.current_stream().cuda_stream; every launch function returns its cudaError_t.
 // Every pointer must be readable and writable by the device: device memory, or page-locked

@@ -2,7 +2,7 @@
 the CUDA kernel.
 
 The host ones take flat, contiguous float32 host tensors for the weights and gradients and
-the moment storage of one of the three formats (:mod:`sakura_offload._formats`), and update
+the moment storage of one of the three formats (:mod:`sakura_offload.host_optimizer.moments`), and update
 them in place with the same operations in the same order.  :class:`CudaBackend` does the
 same on a CUDA device; each tensor it is given is either on the device or in page-locked
 host RAM, which the kernel reads and writes in place (zero-copy).
@@ -16,8 +16,8 @@ from typing import Protocol
 
 import torch
 
-from sakura_offload import _formats as fmt
-from sakura_offload._kernel import Kernel
+from sakura_offload.host_optimizer import moments as fmt
+from sakura_offload.host_optimizer.kernel import Kernel
 
 __all__ = ["Backend", "CudaBackend", "Hyper", "KernelBackend", "TorchBackend"]
 

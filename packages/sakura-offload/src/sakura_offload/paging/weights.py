@@ -3,7 +3,7 @@ copied to the compute device only while their block runs, forward and backward, 
 next blocks prefetched.
 
 ``WeightPaging(model)`` finds the repeated block stack (as sakura-precision's
-``ActivationCheckpoint`` does, see :mod:`sakura.blocks`) and, for each selected
+``ActivationCheckpoint`` does, see :mod:`sakura_torch.blocks`) and, for each selected
 block, moves its frozen (``requires_grad=False``) parameters to a host store: page-locked
 RAM when the compute device is a CUDA GPU.  Between uses ``param.data`` *is* that host
 tensor, so ``state_dict()``, ``named_parameters()`` and shapes stay as they were.
@@ -57,12 +57,16 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from sakura.blocks import find_blocks, validate_selector
+from sakura.marks import WEIGHTS_STREAMED, clear_mark, set_mark
 from sakura.options import check_choice, check_int, option_error
+from sakura_torch.blocks import find_blocks, validate_selector
 
 __all__ = ["WeightPaging", "WeightPagingStats", "frozen_block_bytes"]
 
 _OWNER = "WeightPaging"
+MARK_VALUE = "weight_paging"
+"""The value of the :data:`sakura.marks.WEIGHTS_STREAMED` mark on each block whose weights
+a :class:`WeightPaging` streams (until :meth:`WeightPaging.remove`)."""
 
 
 @dataclass
@@ -274,6 +278,7 @@ class WeightPaging:
             self._handles.append(
                 block.module.register_forward_hook(self._make_post_hook(block), always_call=True)
             )
+            set_mark(block.module, WEIGHTS_STREAMED, MARK_VALUE)
         self.stats.blocks = len(self._blocks)
 
     # --- setup ------------------------------------------------------------------------
@@ -555,6 +560,7 @@ class WeightPaging:
         for block in self._blocks:
             for pname, param in block.params:
                 param.data = block.host[pname].to(self.device, copy=True)
+            clear_mark(block.module, WEIGHTS_STREAMED)
         self._blocks.clear()
         self._by_storage.clear()
         self._removed = True

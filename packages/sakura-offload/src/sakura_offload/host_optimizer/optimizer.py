@@ -1,7 +1,7 @@
 """OffloadAdamW: AdamW with its moments and fp32 master weights in host RAM.
 
-The update of every tensor runs on the host, in the C++ kernel (:mod:`sakura_offload._kernel`)
-or, when that cannot be built, in pure torch (:mod:`sakura_offload._backends`).  Parameters
+The update of every tensor runs on the host, in the C++ kernel (:mod:`sakura_offload.host_optimizer.kernel`)
+or, when that cannot be built, in pure torch (:mod:`sakura_offload.host_optimizer.backends`).  Parameters
 that are not contiguous fp32 CPU tensors (bf16/fp16 weights, weights on an accelerator) get
 an fp32 master copy in host RAM: the update runs on the master and the result is copied
 back, rounded to the parameter's dtype.  With ``backend="cuda"`` the update of a parameter
@@ -9,7 +9,7 @@ on a CUDA device runs there instead, in the CUDA kernel, which reads and writes 
 and master weights where they are, in page-locked host RAM.  Otherwise a CUDA parameter's
 update runs on the host without stalling the GPU: its gradient is copied off on a side
 stream and the update runs on a worker thread once the copy is there, waited for by the
-poll-then-sleep policy (:mod:`sakura_offload.device_stream`, :mod:`sakura_offload.event_wait`).
+poll-then-sleep policy (:mod:`sakura_offload.host_optimizer.device_stream`, :mod:`sakura_offload.host_optimizer.event_wait`).
 
 Every parameter carries a post-accumulate-grad hook that counts backward passes: more than
 ``accumulation_steps`` of them before ``step()`` / ``zero_grad()`` / ``skip_step()`` raise,
@@ -28,12 +28,18 @@ from typing import Any, cast
 import torch
 
 from sakura.options import check_int
-from sakura_offload import _formats as fmt
-from sakura_offload._backends import Backend, CudaBackend, Hyper, KernelBackend, TorchBackend
-from sakura_offload._kernel import load_cuda_kernel, load_kernel
-from sakura_offload._options import check_group, check_optimizer_options
-from sakura_offload.device_stream import CudaTransfer, DeviceTransfer, HostPipeline
-from sakura_offload.event_wait import EventWait
+from sakura_offload.host_optimizer import moments as fmt
+from sakura_offload.host_optimizer.backends import (
+    Backend,
+    CudaBackend,
+    Hyper,
+    KernelBackend,
+    TorchBackend,
+)
+from sakura_offload.host_optimizer.device_stream import CudaTransfer, DeviceTransfer, HostPipeline
+from sakura_offload.host_optimizer.event_wait import EventWait
+from sakura_offload.host_optimizer.kernel import load_cuda_kernel, load_kernel
+from sakura_offload.host_optimizer.options import check_group, check_optimizer_options
 
 __all__ = ["OffloadAdamW", "resolve_backend"]
 
@@ -93,7 +99,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         moment_dtype: ``"float32"``/``"fp32"``/``torch.float32`` (exact AdamW),
             ``"bfloat16"``/``"bf16"``/``torch.bfloat16`` (stochastic rounding; 4 bytes per
             parameter instead of 8) or ``"int8"``/``"8bit"`` (blockwise 8-bit, 2 bytes per
-            parameter plus one fp32 absmax per 256 values; see :mod:`sakura_offload._formats`).
+            parameter plus one fp32 absmax per 256 values; see :mod:`sakura_offload.host_optimizer.moments`).
         max_grad_norm: clip the total 2-norm of all gradients to this (the result of
             ``torch.nn.utils.clip_grad_norm_`` followed by AdamW; the gradients themselves are
             left unchanged); ``last_grad_norm`` holds the norm measured.
@@ -414,7 +420,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         transfer: DeviceTransfer,
     ) -> None:
         """Queue ``p``'s gradient copy and hand its update to the worker thread (see
-        :mod:`sakura_offload.device_stream`); ``step()`` waits for it."""
+        :mod:`sakura_offload.host_optimizer.device_stream`); ``step()`` waits for it."""
         master = state["master"]  # a device parameter always has one
         if not master.is_pinned():
             master = state["master"] = transfer.pin(master)

@@ -1,4 +1,4 @@
-"""The native AdamW kernels, declared once on :class:`sakura.native.NativeLibrary` (which
+"""The native AdamW kernels, declared once on :class:`sakura_torch.native.NativeLibrary` (which
 builds, caches, checks and falls back; see ``docs/helpers.md``).
 
 * ``csrc/host_adamw.cpp``: the host update, vectorised and multi-threaded, built with
@@ -19,8 +19,8 @@ import ctypes
 from dataclasses import dataclass
 from pathlib import Path
 
-from sakura.native import NativeLibrary
-from sakura.native_cuda import CudaLibrary
+from sakura_torch.native import NativeLibrary
+from sakura_torch.native_cuda import CudaLibrary
 
 __all__ = [
     "CACHE_ENV",
@@ -33,7 +33,7 @@ __all__ = [
     "load_kernel",
 ]
 
-CSRC = Path(__file__).with_name("csrc")
+CSRC = Path(__file__).parent.parent / "csrc"
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from typing import Any
 
 from sakura import Service
 from sakura.options import check_int, check_number, option_error
-from sakura_offload._options import check_optimizer_options
+from sakura_offload.host_optimizer.options import check_optimizer_options
 
 __all__ = ["OffloadAdamWService"]
 
@@ -78,7 +78,7 @@ class OffloadAdamWService(Service):
 
     def wrap_optimizer(self, optimizer: Any) -> Any:
         """``optimizer`` (a torch AdamW, or Adam without weight decay) as an OffloadAdamW."""
-        from sakura_offload.optimizer import OffloadAdamW
+        from sakura_offload.host_optimizer.optimizer import OffloadAdamW
 
         offload = OffloadAdamW.from_optimizer(optimizer, **self.options)
         if offload is not optimizer:  # (one the loop built itself keeps its own settings)
@@ -150,7 +150,7 @@ _GIVEN = (
 def _offload_adamw(optimizer: Any) -> Any:
     """The OffloadAdamW under a framework's optimizer wrappers (their public ``optimizer``
     attribute: Lightning's and accelerate's, SakuraTrainer's proxy), or None."""
-    from sakura_offload.optimizer import OffloadAdamW
+    from sakura_offload.host_optimizer.optimizer import OffloadAdamW
 
     while optimizer is not None and not isinstance(optimizer, OffloadAdamW):
         optimizer = getattr(optimizer, "optimizer", None)

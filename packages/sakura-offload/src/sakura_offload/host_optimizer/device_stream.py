@@ -33,7 +33,7 @@ from typing import Protocol
 
 import torch
 
-from sakura_offload.event_wait import Event
+from sakura_offload.host_optimizer.event_wait import Event
 
 __all__ = ["CudaTransfer", "DeviceTransfer", "HostPipeline"]
 
