@@ -88,10 +88,10 @@ def test_bad_arguments(worker: Path, tmp_path: Path, kwargs: dict, message: str)
         launch_ranks(worker, world_size, tmp_path, **kwargs)
 
 
-def test_the_old_name_still_works_with_a_warning() -> None:
+def test_the_unreleased_old_name_is_gone() -> None:
+    # RanksFailed was renamed RanksFailedError before any release: no alias stands in.
     import sakura.testing
     import sakura.testing.ranks
 
     for module in (sakura.testing, sakura.testing.ranks):
-        with pytest.warns(DeprecationWarning, match=r"RanksFailed is deprecated.*RanksFailedError"):
-            assert module.RanksFailed is RanksFailedError
+        assert not hasattr(module, "RanksFailed")

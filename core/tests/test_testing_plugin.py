@@ -116,3 +116,23 @@ def test_conformance_catches_invalid_hooks() -> None:
 
     with pytest.raises(AssertionError, match="implements no sakura hook"):
         check_hooks_valid(Empty())
+
+
+def test_the_tiny_loop_without_torch_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+
+    from sakura.testing.loop import TESTING_EXTRA, run_tiny_loop
+
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    extras = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]
+    assert TESTING_EXTRA == "sakura-core[testing]"
+    assert [r for r in extras["testing"] if r.startswith("torch")] == ["torch>=2.4"]
+
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` now fails, as uninstalled
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'sakura-core\[testing\]'"):
+        run_tiny_loop(SakuraRuntime(), epochs=1, steps_per_epoch=1)

@@ -5,11 +5,12 @@ old name stays importable from the same module and warns with a ``DeprecationWar
 that names the new one and the version that removes the old.  One helper does it for every
 package::
 
-    # at the end of the module that used to define RanksFailed
-    __getattr__ = deprecated_aliases(__name__, {"RanksFailed": RanksFailedError}, removed_in="0.3")
+    # at the end of the module that used to define ShardFailed (released in 0.2)
+    __getattr__ = deprecated_aliases(__name__, {"ShardFailed": ShardFailedError}, removed_in="0.4")
 
-``from module import RanksFailed`` then returns ``RanksFailedError`` (the same class, so
-``except RanksFailed`` still catches it) and warns.  A module that already defines
+``from module import ShardFailed`` then returns ``ShardFailedError`` (the same class, so
+``except ShardFailed`` still catches it) and warns.  Only released names need this: a name
+that never shipped is simply renamed.  A module that already defines
 ``__getattr__`` passes it as ``fallback``.
 """
 

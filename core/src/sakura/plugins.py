@@ -98,7 +98,7 @@ KNOWN_PROVIDERS: dict[str, str] = {
     "offload_adamw": "sakura-offload",
     "OffloadAdamWService": "sakura-offload",
     "memory_plan": "sakura-offload",
-    "MemoryPlanService": "sakura-offload",
+    "MemoryPlannerService": "sakura-offload",
 }
 """Names provided by first-party packages (spec names and facade class names), so a
 missing one says what to install.  ``core/tests/test_known_providers.py`` checks it against

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from sakura.deprecation import deprecated_aliases
 from sakura.testing.conformance import (
     ServiceConformance,
     check_exceptions_isolated,
@@ -36,14 +35,9 @@ __all__ = [
 ]
 
 
-def _lazy(name: str) -> Any:  # the loop module is importable without torch installed
+def __getattr__(name: str) -> Any:  # the loop module is importable without torch installed
     if name in ("run_tiny_loop", "TinyLoopResult", "expected_event_names"):
         from sakura.testing import loop
 
         return getattr(loop, name)
     raise AttributeError(f"module 'sakura.testing' has no attribute {name!r}")
-
-
-__getattr__ = deprecated_aliases(
-    __name__, {"RanksFailed": RanksFailedError}, removed_in="0.3", fallback=_lazy
-)

@@ -4,7 +4,7 @@ It is the reference raw loop: it calls every coordinated call (``prepare``, ``au
 ``backward``, ``clip_grad_norm_``, ``optimizer_step``, ``state_dict``) and emits the
 per-step, epoch, validation, checkpoint and lifecycle events in the documented order
 (``docs/events.md``).  Plugin authors run their service through it; the demo uses it.
-Needs torch (imported when called).
+Needs torch (imported when called): ``pip install 'sakura-core[testing]'``.
 """
 
 from __future__ import annotations
@@ -38,7 +38,18 @@ from sakura.events import (
 )
 from sakura.runtime import SakuraRuntime
 
-__all__ = ["TinyLoopResult", "expected_event_names", "run_tiny_loop"]
+__all__ = ["TESTING_EXTRA", "TinyLoopResult", "expected_event_names", "run_tiny_loop"]
+
+TESTING_EXTRA = "sakura-core[testing]"
+"""The extra that installs what the tiny loop needs (torch)."""
+
+
+def _needs_torch() -> ModuleNotFoundError:
+    return ModuleNotFoundError(
+        "sakura.testing's tiny training loop (run_tiny_loop, the tiny_loop fixture) needs "
+        f"torch, which is not installed: pip install '{TESTING_EXTRA}'",
+        name="torch",
+    )
 
 
 @dataclass
@@ -73,8 +84,11 @@ def run_tiny_loop(
     runtime's service state under ``"sakura"``) is built at every epoch end and passed
     to OnSaveCheckpoint; the list is returned.
     """
-    import torch
-    from torch import nn
+    try:
+        import torch
+        from torch import nn
+    except ImportError as error:
+        raise _needs_torch() from error
 
     for option, value in (
         ("epochs", epochs),

@@ -33,8 +33,9 @@ def recording_service() -> RecordingService:
 
 @pytest.fixture
 def tiny_loop() -> Callable[..., Any]:
-    pytest.importorskip("torch")
-    from sakura.testing.loop import run_tiny_loop
+    from sakura.testing.loop import TESTING_EXTRA, run_tiny_loop
+
+    pytest.importorskip("torch", reason=f"tiny_loop needs torch: pip install '{TESTING_EXTRA}'")
 
     return run_tiny_loop
 

@@ -25,8 +25,6 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from sakura.deprecation import deprecated_aliases
-
 __all__ = ["RanksFailedError", "launch_ranks"]
 
 
@@ -128,7 +126,3 @@ def _wait(procs: list[subprocess.Popen[bytes]], timeout: float) -> str | None:
 def _status(proc: subprocess.Popen[bytes]) -> str:
     code = proc.returncode
     return f"signal {-code}" if code is not None and code < 0 else f"exit {code}"
-
-
-# Renamed in 0.2 (exceptions end in Error); the old name warns until 0.3.
-__getattr__ = deprecated_aliases(__name__, {"RanksFailed": RanksFailedError}, removed_in="0.3")
