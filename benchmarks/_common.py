@@ -17,6 +17,7 @@ __all__ = [
     "overhead_row_text",
     "pin_threads",
     "require_status_kib",
+    "run_environment",
     "status_kib",
     "verdict",
     "write_json",
@@ -118,6 +119,27 @@ def overhead_row_text(row: dict[str, Any], width: int) -> str:
         f"   {row['label']:<{width}} {row['us_per_step'].median:>9.1f}  "
         f"{row['ratio'].format(4, iqr=True)}"
     )
+
+
+def run_environment(
+    distributions: tuple[str, ...], load_before: tuple[float, float, float] | None
+) -> dict[str, Any]:
+    """Python, platform, torch and ``distributions``' versions, torch threads, and the machine
+    note (CPU model and flags, load average since ``load_before``)."""
+    import platform
+
+    import torch
+
+    from sakura_bench.measure import machine_note, versions
+
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        **{name: v or "not installed" for name, v in versions(distributions).items()},
+        "torch_threads": torch.get_num_threads(),
+        "machine": machine_note(load_before),
+    }
 
 
 def verdict(ok: bool) -> str:

@@ -53,7 +53,6 @@ import argparse
 import contextlib
 import gc
 import logging
-import platform
 import sys
 import tempfile
 import time
@@ -67,11 +66,12 @@ from _common import (
     overhead_row,
     overhead_row_text,
     pin_threads,
+    run_environment,
     verdict,
     write_json,
 )
 
-from sakura_bench.measure import interleaved, load_average, machine_note, versions
+from sakura_bench.measure import interleaved, load_average
 
 N_SERVICES = 8
 WINDOW = 20  # steps per stretch in the isolated measurement
@@ -646,24 +646,6 @@ def evaluate_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     return targets
 
 
-def environment(load_start: tuple[float, float, float] | None) -> dict[str, Any]:
-    """Versions, threads, and the machine: CPU (model, flags) and the load average at the
-    start and at the end (other processes compete for the CPUs)."""
-    import torch
-
-    installed = versions(
-        ("lightning", "transformers", "accelerate", "sakura-core", "sakura-adapters")
-    )
-    return {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "torch": torch.__version__,
-        **{name: version or "not installed" for name, version in installed.items()},
-        "torch_threads": torch.get_num_threads(),
-        "machine": machine_note(load_start),
-    }
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Per-step cost of sakura's Lightning and Hugging Face adapters against "
@@ -761,7 +743,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.hf_steps,
                 "hf",
             )
-    report["environment"] = environment(load_start)
+    report["environment"] = run_environment(
+        ("lightning", "transformers", "accelerate", "sakura-core", "sakura-adapters"), load_start
+    )
     report["targets"] = evaluate_targets(report)
     report["wall_s"] = time.perf_counter() - started
     print_report(report)

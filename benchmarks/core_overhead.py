@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import platform
 import sys
 import tempfile
 import time
@@ -50,6 +49,7 @@ from _common import (
     overhead_row,
     overhead_row_text,
     pin_threads,
+    run_environment,
     verdict,
     write_json,
 )
@@ -57,10 +57,8 @@ from _common import (
 from sakura_bench.measure import (
     interleaved,
     load_average,
-    machine_note,
     ratio_summary,
     rotated,
-    versions,
 )
 
 # The per-step events a loop emits, in order (docs/events.md).
@@ -772,20 +770,6 @@ def evaluate_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     return targets
 
 
-def environment(load_before: tuple[float, float, float] | None) -> dict[str, Any]:
-    import torch
-
-    installed = versions(("sakura-core", "pluggy", "lightning"))
-    return {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "torch": torch.__version__,
-        **{name: version or "not installed" for name, version in installed.items()},
-        "torch_threads": torch.get_num_threads(),
-        "machine": machine_note(load_before),
-    }
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Per-step and per-event cost of the sakura runtime against a raw loop, "
@@ -832,7 +816,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("dispatch benchmark ...", flush=True)
     dispatch = dispatch_benchmark(args)
     report: dict[str, Any] = {
-        "environment": environment(load_before),
+        "environment": run_environment(("sakura-core", "pluggy", "lightning"), load_before),
         "quick": args.quick,
         "issue_reference_us": ISSUE_REFERENCE_US,
         "per_step": per_step,
