@@ -73,3 +73,9 @@ def test_bad_selectors_name_the_option() -> None:
 def test_importing_it_does_not_import_torch() -> None:
     code = "import sys, sakura_torch.blocks; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    # nor does the rest of the distribution (plugin modules declare kernels at import)
+    code = (
+        "import sys, sakura_torch, sakura_torch.native, sakura_torch.native_cuda\n"
+        "assert 'torch' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
