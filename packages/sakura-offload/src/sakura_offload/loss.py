@@ -1,5 +1,8 @@
 """Chunked causal-LM loss: cross-entropy over the vocabulary without the full logits.
 
+Not offload: this module moves to sakura-kernels (issue 22, losses computed from hidden
+states) when that package is created; it stays here until then.
+
 A causal LM's head turns ``tokens x hidden`` into ``tokens x vocab`` logits, and for a long
 sequence and a large vocabulary that one tensor (kept for backward, in fp32) is often the
 largest of the step.  :func:`chunked_causal_lm_loss` computes the logits of ``chunk_size``

@@ -1,26 +1,8 @@
 """Host updates of CUDA parameters without stalling the GPU: side-stream copies, a worker
-thread, poll-then-sleep waits.
+thread (:class:`HostPipeline`), poll-then-sleep waits; :class:`CudaTransfer` is the CUDA
+side, :class:`DeviceTransfer` its protocol (tests give a stand-in).
 
-For a parameter on a CUDA device whose update runs on the host (the C++ or torch backend),
-:class:`OffloadAdamW <sakura_offload.OffloadAdamW>` hands each gradient to a
-:class:`HostPipeline`:
-
-1. on the calling thread (during backward with ``eager=True``): a side stream waits for the
-   compute stream's work so far, then copies the gradient (as fp32) into a page-locked host
-   buffer of the parameter's own and records an event (``to_host``); the gradient's memory
-   is kept from reuse until that copy ran (``record_stream``).  Nothing waits here, so the
-   thread goes on queueing the rest of backward.
-2. on the pipeline's worker thread: wait for that event (:class:`~sakura_offload.event_wait.
-   EventWait`, the poll-then-sleep policy), run the host update on the buffer, and queue the
-   copy of the updated fp32 master (page-locked) into the parameter on the side stream
-   (``to_device``).
-3. ``step()`` drains the worker (bounded, re-raising its first error) and makes each compute
-   stream wait for its side stream, so the next forward reads the new weights.
-
-:class:`CudaTransfer` is the CUDA side; tests give the optimizer another
-:class:`DeviceTransfer` (a synchronous copy with events that complete late) to check the
-pipeline on a machine without a GPU.  The CUDA side itself runs only where CUDA is present
-(``benchmarks/gpu_check.sh``).
+The steps and their ordering: ``docs/offload.md``, "Host AdamW: design".
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
-"""OffloadAdamW: AdamW with its moments and fp32 master weights in host RAM.
+"""OffloadAdamW: AdamW with its moments and fp32 master weights in host RAM, updated by the
+C++ kernel, pure torch or the CUDA kernel (see :mod:`.backends`).
 
-The update of every tensor runs on the host, in the C++ kernel (:mod:`sakura_offload.host_optimizer.kernel`)
-or, when that cannot be built, in pure torch (:mod:`sakura_offload.host_optimizer.backends`).  Parameters
-that are not contiguous fp32 CPU tensors (bf16/fp16 weights, weights on an accelerator) get
-an fp32 master copy in host RAM: the update runs on the master and the result is copied
-back, rounded to the parameter's dtype.  With ``backend="cuda"`` the update of a parameter
-on a CUDA device runs there instead, in the CUDA kernel, which reads and writes the moments
-and master weights where they are, in page-locked host RAM.  Otherwise a CUDA parameter's
-update runs on the host without stalling the GPU: its gradient is copied off on a side
-stream and the update runs on a worker thread once the copy is there, waited for by the
-poll-then-sleep policy (:mod:`sakura_offload.host_optimizer.device_stream`, :mod:`sakura_offload.host_optimizer.event_wait`).
-
-Every parameter carries a post-accumulate-grad hook that counts backward passes: more than
-``accumulation_steps`` of them before ``step()`` / ``zero_grad()`` / ``skip_step()`` raise,
-and with ``eager=True`` the tensor's update runs in that hook as soon as its last gradient
-of the step has landed, during backward.
+Design (master copies, where a CUDA parameter's update runs, the backward-pass count):
+``docs/offload.md``, "Host AdamW: design".
 """
 
 from __future__ import annotations

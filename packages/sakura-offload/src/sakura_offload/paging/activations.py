@@ -1,23 +1,8 @@
 """Activation paging: the tensors autograd saves for backward go to host RAM or to files on
-disk while the forward pass runs, and come back when backward needs them.
+disk while the forward pass runs, and come back when backward needs them
+(:class:`ActivationPaging`, a context manager of saved-tensor hooks).
 
-Inside ``with ActivationPaging(...)``, every tensor autograd saves passes through
-:func:`torch.autograd.graph.saved_tensors_hooks`:
-
-* kept as it is: tensors under ``min_bytes``; leaves that require grad (parameters: the
-  model keeps them anyway); broadcast views (a stride of 0 over a dimension larger than 1,
-  e.g. an expanded attention mask: paging would materialise them and change their
-  strides, which some backward kernels reject); tensors whose strides overlap or leave
-  gaps (they cannot be rebuilt from their bytes alone);
-* ``tier="host"``: tensors on an accelerator are copied to page-locked host RAM and copied
-  back in backward (CPU tensors already live in host RAM and are kept);
-* ``tier="disk"``: tensors are written to a file each in a private directory under
-  ``directory`` and memory-mapped back in backward.  A file is removed when autograd frees
-  the saved tensor (after backward, or when the graph is dropped), never before: a graph
-  kept with ``retain_graph=True`` reads it again.
-
-Restored tensors have the same shape, dtype, strides and device as the originals, and the
-same bytes, so gradients are bit-identical to a run without paging.
+What is paged and what is kept, and how: ``docs/offload.md``, "Activation paging: design".
 """
 
 from __future__ import annotations

@@ -1,49 +1,10 @@
 """Frozen-weight paging: the frozen parameters of a model's blocks live in host RAM and are
 copied to the compute device only while their block runs, forward and backward, with the
-next blocks prefetched.
+next blocks prefetched (:class:`WeightPaging`).  Each block whose weights it streams
+carries the :data:`sakura.marks.WEIGHTS_STREAMED` mark until :meth:`WeightPaging.remove`.
 
-``WeightPaging(model)`` finds the repeated block stack (as sakura-precision's
-``ActivationCheckpoint`` does, see :mod:`sakura_torch.blocks`) and, for each selected
-block, moves its frozen (``requires_grad=False``) parameters to a host store: page-locked
-RAM when the compute device is a CUDA GPU.  Between uses ``param.data`` *is* that host
-tensor, so ``state_dict()``, ``named_parameters()`` and shapes stay as they were.
-Trainable parameters (LoRA adapters, an unfrozen norm) are never paged.
-
-How a block's weights come and go (module hooks and saved-tensor hooks):
-
-* forward pre-hook of block ``k``: its weights are materialised on the device (fresh
-  tensors, copied from the host store, or waited for if prefetched) and installed as
-  ``param.data``; blocks ``k+1 .. k+prefetch`` are prefetched (on CUDA: copied on a side
-  stream, the compute stream waits on an event before using them);
-* during the block's forward, a saved-tensor hook replaces every tensor autograd saves
-  that lives in one of these device weights (the weight itself, a transpose or another
-  view of it) by a small token: autograd's graph holds no reference to device weights;
-* forward hook (also when the forward raises): ``param.data`` goes back to the host store
-  and the device copies are dropped.  A copy that something else still references
-  (a module that keeps ``self.weight`` somewhere, saved-tensor hooks entered inside the
-  block that keep what they are given) is not freed; when the next block starts (or on ``check_released()``) such a copy is
-  counted in ``stats.still_referenced`` and warned about once per block;
-* backward: a hook on the block's outputs fires when their gradient is ready, i.e.
-  before the block's own backward runs: the block is materialised again and installed
-  (so activation-checkpointing recomputation inside the block sees device weights), blocks
-  ``k-1 .. k-prefetch`` are prefetched, later blocks (whose backward is done) released;
-  tokens unpack to views of the installed copies.  When the backward pass ends (an
-  autograd engine callback) every block is released.
-
-At most ``prefetch + 1`` blocks are materialised at any time (``stats.max_live_blocks``).
-The copies are exact, so outputs and gradients are bit-identical to the unpaged model.
-
-A tensor *computed* from a paged weight (a dtype cast, a dequantised copy) is an ordinary
-activation for autograd: it is kept (or paged by :class:`ActivationPaging`) like any other.
-Saved tensors that are not paged weights go to the saved-tensor hooks that were active
-when the block started (an enclosing ``ActivationPaging``, for instance), so the two
-compose.  Inside ``torch.utils.checkpoint`` (transformers' gradient checkpointing,
-sakura-precision's ``ActivationCheckpoint``) nothing is saved, so no token is made; when
-the block is recomputed in backward its weights are already installed, and they stay
-installed until the backward of the block before it begins.
-
-On a CPU the host store and the "device" are the same memory: materialising makes real
-copies that are freed after use, which is what the tests check (a simulated device budget).
+How a block's weights come and go, and how it composes with activation paging and
+checkpointing: ``docs/offload.md``, "Weight paging: design".
 """
 
 from __future__ import annotations
