@@ -54,7 +54,7 @@ from sakura.options import check_choice, check_int, option_error
 from sakura.runtime import SakuraRuntime
 from sakura_async._model import unwrap_model
 from sakura_async.dispatch.base import Dispatcher, TaskFuture
-from sakura_async.dispatch.resolve import check_dispatcher, resolve_dispatcher
+from sakura_async.dispatch.resolve import DispatcherSlot
 from sakura_async.reporting import (
     Reporter,
     check_report_to,
@@ -270,6 +270,12 @@ class AsyncEval(Service):
     name = "async_eval"
     priority = 60
 
+    @property
+    def dispatcher(self) -> Dispatcher | None:
+        """The dispatcher: the object given, or (from setup until teardown) the one built
+        from a name or None."""
+        return self._dispatch.dispatcher
+
     def __init__(
         self,
         eval_fn: Callable[[int, Any], Any] | None = None,
@@ -293,7 +299,7 @@ class AsyncEval(Service):
                 f"callable state_provider(model) -> state_dict"
             )
         # A wrong type or a misspelt name fails here, not only at install.
-        check_dispatcher(dispatcher, owner=_OWNER)
+        self._dispatch = DispatcherSlot(dispatcher, owner=_OWNER)
         if name is not None and (not isinstance(name, str) or not name):
             raise option_error("name", name, "a non-empty string", owner=_OWNER)
         if name is not None:
@@ -311,13 +317,6 @@ class AsyncEval(Service):
         self._check_state_provider()
         self.report_to = check_report_to(report_to)
         self.ranks: str = check_choice("ranks", ranks, ("zero", "all"), owner=_OWNER)
-        self._dispatcher_option = dispatcher
-        self.dispatcher: Dispatcher | None = None
-        self._owns_dispatcher = False
-        """Whether the service closes its dispatcher: one it built from a name (or None),
-        or an object marked ``owned_by_service`` (built for it, e.g. from a spec string)."""
-        if isinstance(dispatcher, Dispatcher):
-            self.dispatcher, self._owns_dispatcher = resolve_dispatcher(dispatcher)
         self.rt: SakuraRuntime | None = None
         self._pool: SnapshotPool | None = None
         self._pending: deque[_Pending] = deque()
@@ -386,15 +385,14 @@ class AsyncEval(Service):
                 f"installing it"
             )
         self.rt = runtime
-        if self.dispatcher is None:
-            self.dispatcher, self._owns_dispatcher = resolve_dispatcher(self._dispatcher_option)
+        dispatcher = self._dispatch.acquire()
         if not self._active():
             return
-        self.dispatcher.start()  # a worker process starts while the first epoch trains
+        dispatcher.start()  # a worker process starts while the first epoch trains
         if self.pass_task:
-            self._pool = SnapshotPool(self.dispatcher.empty, max_sets=self.max_pending)
+            self._pool = SnapshotPool(dispatcher.empty, max_sets=self.max_pending)
         # The payload goes with every evaluation: place it once where tasks get it cheaply.
-        self._payload = self.dispatcher.stage(self.eval_payload)
+        self._payload = dispatcher.stage(self.eval_payload)
 
     def drain(self) -> None:
         self._deliver(wait=True)
@@ -404,9 +402,7 @@ class AsyncEval(Service):
         if self._pool is not None:
             self._pool.clear()
         self._payload = None
-        if self._owns_dispatcher and self.dispatcher is not None:
-            self.dispatcher.close()
-            self.dispatcher = None
+        self._dispatch.release()
         self.rt = None
 
     # --- events ---------------------------------------------------------------------------
@@ -553,5 +549,5 @@ class AsyncEval(Service):
         return (
             f"<AsyncEval name={self.name!r} every={self.every} max_pending={self.max_pending} "
             f"pass_task={self.pass_task} "
-            f"dispatcher={self.dispatcher or self._dispatcher_option!r}>"
+            f"dispatcher={self._dispatch!r}>"
         )

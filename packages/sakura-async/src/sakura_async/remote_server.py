@@ -202,9 +202,12 @@ class RemoteWorkerServer:
         self.report_interval: float = check_number(
             "report_interval", report_interval, minimum=0, owner=owner
         )
-        self.max_frame_bytes: int = check_int(
-            "max_frame_bytes", max_frame_bytes, minimum=1024, owner=owner
-        )
+        # The frame size by the dispatchers' own rule (one declaration for both sides).
+        from sakura_async.dispatch.options import DispatchOptions
+
+        self.max_frame_bytes: int = DispatchOptions.from_kwargs(
+            owner=owner, max_frame_bytes=max_frame_bytes
+        ).max_frame_bytes
         loopback = is_loopback(host)
         tls = certfile is not None
         if (certfile is None) != (keyfile is None):

@@ -45,7 +45,7 @@ from sakura_async._model import unwrap_model
 from sakura_async.checkpoint.formats import FORMATS
 from sakura_async.checkpoint.store import remove_stale_temporaries, write_checkpoint
 from sakura_async.dispatch.base import Dispatcher, TaskFuture
-from sakura_async.dispatch.resolve import check_dispatcher, resolve_dispatcher
+from sakura_async.dispatch.resolve import DispatcherSlot
 from sakura_async.errors import CheckpointWriteError
 from sakura_async.reporting import lightning_trainer_of, output_dir_of
 from sakura_async.snapshot import Snapshot, SnapshotPool
@@ -198,6 +198,12 @@ class AsyncCheckpoint(Service):
     name = "async_checkpoint"
     priority = 70  # after AsyncEval, whose results may make a checkpoint the best
 
+    @property
+    def dispatcher(self) -> Dispatcher | None:
+        """The dispatcher: the object given, or (from setup until teardown) the one built
+        from a name or None."""
+        return self._dispatch.dispatcher
+
     def __init__(
         self,
         dir: str | os.PathLike[str] | None = None,
@@ -255,18 +261,11 @@ class AsyncCheckpoint(Service):
         self.overlap: bool = check_bool("overlap", overlap, owner=_OWNER)
         self.ranks: str = check_choice("ranks", ranks, ("zero", "all"), owner=_OWNER)
         # A wrong type or a misspelt name fails here, not only at install.
-        check_dispatcher(dispatcher, owner=_OWNER)
+        self._dispatch = DispatcherSlot(dispatcher, owner=_OWNER)
         if name is not None and (not isinstance(name, str) or not name):
             raise option_error("name", name, "a non-empty string", owner=_OWNER)
         if name is not None:
             self.name = name
-        self._dispatcher_option = dispatcher
-        self.dispatcher: Dispatcher | None = None
-        self._owns_dispatcher = False
-        """Whether the service closes its dispatcher: one it built from a name (or None),
-        or an object marked ``owned_by_service`` (built for it, e.g. from a spec string)."""
-        if isinstance(dispatcher, Dispatcher):
-            self.dispatcher, self._owns_dispatcher = resolve_dispatcher(dispatcher)
         self.rt: SakuraRuntime | None = None
         self._pool: SnapshotPool | None = None
         self._pending: deque[_Write] = deque()
@@ -311,15 +310,14 @@ class AsyncCheckpoint(Service):
         self.rt = runtime
         if not self._active():
             return
-        if self.dispatcher is None:
-            self.dispatcher, self._owns_dispatcher = resolve_dispatcher(self._dispatcher_option)
-        self.dispatcher.start()
+        dispatcher = self._dispatch.acquire()
+        dispatcher.start()
         if self.unit == "best":
             from sakura_async.eval import AsyncEval
 
             evals = [s for s in runtime.services if isinstance(s, AsyncEval)]
             self._hold = max((s.max_pending for s in evals), default=0) + (1 if evals else 0)
-        self._pool = SnapshotPool(self.dispatcher.empty, max_sets=self.max_pending + self._hold + 2)
+        self._pool = SnapshotPool(dispatcher.empty, max_sets=self.max_pending + self._hold + 2)
         if self.overlap:
             self._copier = ThreadPoolExecutor(1, thread_name_prefix="sakura-snapshot")
         if self.dir is not None:
@@ -361,9 +359,7 @@ class AsyncCheckpoint(Service):
         if self._atexit is not None:
             atexit.unregister(self._atexit)
             self._atexit = None
-        if self._owns_dispatcher and self.dispatcher is not None:
-            self.dispatcher.close()
-            self.dispatcher = None
+        self._dispatch.release()
         self.rt = None
 
     # --- events -----------------------------------------------------------------------------

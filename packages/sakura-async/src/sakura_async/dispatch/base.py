@@ -50,26 +50,24 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from sakura.options import check_int, check_number
 from sakura_async.dispatch import deadlines, interrupts
+from sakura_async.dispatch.options import (
+    DEFAULT_INTERRUPT_GRACE,
+    DEFAULT_TASK_TIMEOUT,
+    DispatchOptions,
+)
 from sakura_async.errors import DispatcherClosedError, TaskInterruptedError, TaskTimeoutError
 
 __all__ = [
     "DEFAULT_INTERRUPT_GRACE",
     "DEFAULT_TASK_TIMEOUT",
+    "DispatchOptions",
     "Dispatcher",
     "TaskFuture",
     "Timings",
     "run_timed",
 ]
 
-DEFAULT_TASK_TIMEOUT = 3600.0
-"""Seconds a task may take, from ``submit`` to its result, before it fails (one hour: an
-evaluation or a checkpoint write that takes longer is almost always stuck).  Pass
-``task_timeout=None`` to a dispatcher to wait without bound."""
-
-DEFAULT_INTERRUPT_GRACE = 10.0
-"""Seconds the tasks in flight get to finish after one Ctrl+C."""
 
 _POLL_S = 1.0
 _ids = itertools.count(1)
@@ -279,6 +277,9 @@ class Dispatcher:
             limit).
         interrupt_grace: seconds the tasks in flight get to finish after a Ctrl+C before
             they are abandoned (a second Ctrl+C abandons them at once).
+        options: a :class:`~sakura_async.dispatch.options.DispatchOptions` already checked
+            (a subclass builds one from all its keywords and passes it here); when given,
+            the three keywords above are not read.
 
     Attributes:
         owned_by_service: True when the service this dispatcher is given to (AsyncEval,
@@ -295,20 +296,20 @@ class Dispatcher:
         max_pending: int = 2,
         task_timeout: float | None = DEFAULT_TASK_TIMEOUT,
         interrupt_grace: float = DEFAULT_INTERRUPT_GRACE,
+        options: DispatchOptions | None = None,
     ) -> None:
-        owner = type(self).__name__
-        self.max_pending: int = check_int("max_pending", max_pending, minimum=1, owner=owner)
-        self.task_timeout: float | None = check_number(
-            "task_timeout",
-            task_timeout,
-            minimum=0,
-            min_inclusive=False,
-            allow_none=True,
-            owner=owner,
-        )
-        self.interrupt_grace: float = check_number(
-            "interrupt_grace", interrupt_grace, minimum=0, owner=owner
-        )
+        if options is None:
+            options = DispatchOptions.from_kwargs(
+                owner=type(self).__name__,
+                max_pending=max_pending,
+                task_timeout=task_timeout,
+                interrupt_grace=interrupt_grace,
+            )
+        self.options = options
+        """The checked options (:class:`~sakura_async.dispatch.options.DispatchOptions`)."""
+        self.max_pending: int = options.max_pending
+        self.task_timeout: float | None = options.task_timeout
+        self.interrupt_grace: float = options.interrupt_grace
         interrupts.widen(self.interrupt_grace)
         self.owned_by_service = False
         self._slots = threading.Semaphore(self.max_pending)

@@ -37,6 +37,7 @@ from sakura_async.dispatch.base import (
     Dispatcher,
     TaskFuture,
 )
+from sakura_async.dispatch.options import DispatchOptions
 from sakura_async.wire.serialize import Encoder
 
 __all__ = ["ClusterDispatcher"]
@@ -96,9 +97,14 @@ class ClusterDispatcher(Dispatcher):
         task_timeout: float | None = DEFAULT_TASK_TIMEOUT,
         interrupt_grace: float = DEFAULT_INTERRUPT_GRACE,
     ) -> None:
-        super().__init__(
-            max_pending=max_pending, task_timeout=task_timeout, interrupt_grace=interrupt_grace
+        options = DispatchOptions.from_kwargs(
+            owner="ClusterDispatcher",
+            max_pending=max_pending,
+            task_timeout=task_timeout,
+            interrupt_grace=interrupt_grace,
+            start_timeout=start_timeout,
         )
+        super().__init__(options=options)
         self.insecure: bool = check_bool("insecure", insecure, owner="ClusterDispatcher")
         if insecure and security is not None:
             raise option_error(
@@ -122,15 +128,7 @@ class ClusterDispatcher(Dispatcher):
         if not isinstance(processes, bool):
             raise TypeError(f"processes must be a bool, got {processes!r}")
         self.processes = processes
-        if (
-            isinstance(start_timeout, bool)
-            or not isinstance(start_timeout, (int, float))
-            or not start_timeout > 0
-        ):
-            raise ValueError(
-                f"start_timeout must be a positive number of seconds, got {start_timeout!r}"
-            )
-        self.start_timeout = float(start_timeout)
+        self.start_timeout: float = options.start_timeout
         self.security = security
         self.cluster_kwargs = dict(cluster_kwargs or {})
         if "host" in self.cluster_kwargs and self.cluster_kwargs["host"] != "127.0.0.1":

@@ -39,13 +39,14 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from sakura.options import check_int, check_number, option_error
+from sakura.options import check_int, option_error
 from sakura_async.dispatch.base import (
     DEFAULT_INTERRUPT_GRACE,
     DEFAULT_TASK_TIMEOUT,
     Dispatcher,
     TaskFuture,
 )
+from sakura_async.dispatch.options import DispatchOptions
 from sakura_async.errors import WorkerCrashedError, WorkerUnresponsiveError
 from sakura_async.wire.channel import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -219,16 +220,19 @@ class LocalDispatcher(Dispatcher):
         task_timeout: float | None = DEFAULT_TASK_TIMEOUT,
         interrupt_grace: float = DEFAULT_INTERRUPT_GRACE,
     ) -> None:
-        super().__init__(
-            max_pending=max_pending, task_timeout=task_timeout, interrupt_grace=interrupt_grace
-        )
         owner = "LocalDispatcher"
-        self.liveness_timeout: float = check_number(
-            "liveness_timeout", liveness_timeout, minimum=0, min_inclusive=False, owner=owner
+        options = DispatchOptions.from_kwargs(
+            owner=owner,
+            max_pending=max_pending,
+            task_timeout=task_timeout,
+            interrupt_grace=interrupt_grace,
+            start_timeout=start_timeout,
+            liveness_timeout=liveness_timeout,
+            max_frame_bytes=max_frame_bytes,
         )
-        self.max_frame_bytes: int = check_int(
-            "max_frame_bytes", max_frame_bytes, minimum=1024, owner=owner
-        )
+        super().__init__(options=options)
+        self.liveness_timeout: float = options.liveness_timeout
+        self.max_frame_bytes: int = options.max_frame_bytes
         self.threads = check_int(
             "threads", threads, minimum=1, allow_none=True, owner="LocalDispatcher"
         )
@@ -243,9 +247,7 @@ class LocalDispatcher(Dispatcher):
         ):
             raise TypeError(f"env must be a mapping of str to str or None, got {env!r}")
         self.env = dict(env or {})
-        self.start_timeout: float = check_number(
-            "start_timeout", start_timeout, minimum=0, min_inclusive=False, owner=owner
-        )
+        self.start_timeout: float = options.start_timeout
         self._worker: _Worker | None = None
         self._workers_started = 0
         self._spawn_lock = threading.RLock()

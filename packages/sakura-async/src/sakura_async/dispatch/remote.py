@@ -44,13 +44,13 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from sakura.options import check_int, check_number
 from sakura_async.dispatch.base import (
     DEFAULT_INTERRUPT_GRACE,
     DEFAULT_TASK_TIMEOUT,
     Dispatcher,
     TaskFuture,
 )
+from sakura_async.dispatch.options import DispatchOptions
 from sakura_async.errors import AuthenticationError, WorkerCrashedError, WorkerUnresponsiveError
 from sakura_async.wire.auth import check_token, client_handshake, is_loopback, read_token
 from sakura_async.wire.channel import (
@@ -124,16 +124,19 @@ class RemoteDispatcher(Dispatcher):
         task_timeout: float | None = DEFAULT_TASK_TIMEOUT,
         interrupt_grace: float = DEFAULT_INTERRUPT_GRACE,
     ) -> None:
-        super().__init__(
-            max_pending=max_pending, task_timeout=task_timeout, interrupt_grace=interrupt_grace
-        )
         owner = "RemoteDispatcher"
-        self.liveness_timeout: float = check_number(
-            "liveness_timeout", liveness_timeout, minimum=0, min_inclusive=False, owner=owner
+        options = DispatchOptions.from_kwargs(
+            owner=owner,
+            max_pending=max_pending,
+            task_timeout=task_timeout,
+            interrupt_grace=interrupt_grace,
+            connect_timeout=connect_timeout,
+            liveness_timeout=liveness_timeout,
+            max_frame_bytes=max_frame_bytes,
         )
-        self.max_frame_bytes: int = check_int(
-            "max_frame_bytes", max_frame_bytes, minimum=1024, owner=owner
-        )
+        super().__init__(options=options)
+        self.liveness_timeout: float = options.liveness_timeout
+        self.max_frame_bytes: int = options.max_frame_bytes
         if not isinstance(uri, str):
             raise TypeError(f"uri must be a string such as 'tls://host:4433', got {uri!r}")
         parts = urlsplit(uri)
@@ -184,9 +187,7 @@ class RemoteDispatcher(Dispatcher):
                 raise ValueError(f"cert_sha256 must be 64 hex digits, got {cert_sha256!r}")
             self._pin = pin
         self._cafile = cafile
-        self.connect_timeout: float = check_number(
-            "connect_timeout", connect_timeout, minimum=0, min_inclusive=False, owner=owner
-        )
+        self.connect_timeout: float = options.connect_timeout
         self._conn: _Connection | None = None
         self._conn_lock = threading.RLock()
         self._encoder = Encoder(placer=None)

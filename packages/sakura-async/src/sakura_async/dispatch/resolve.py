@@ -1,5 +1,7 @@
-"""Turn a ``dispatcher=`` option (an object, a name or spec string, or None) into a
-dispatcher, and say whether the caller owns it (and must close it)."""
+"""A service's ``dispatcher=`` option (an object, a name or spec string, or None): checked
+when the service is built, turned into a dispatcher when it is set up, closed at teardown
+when the service owns it.  :class:`DispatcherSlot` does all three for any service
+(AsyncEval and AsyncCheckpoint use it; so may a third party's)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ from typing import Any
 
 from sakura_async.dispatch.base import Dispatcher
 
-__all__ = ["check_dispatcher", "resolve_dispatcher", "unknown_dispatcher"]
+__all__ = ["DispatcherSlot", "check_dispatcher", "resolve_dispatcher", "unknown_dispatcher"]
 
 _WHAT = (
     "a sakura_async dispatcher (InThreadDispatcher, ThreadDispatcher, LocalDispatcher, "
@@ -74,3 +76,41 @@ def resolve_dispatcher(value: Any, *, option: str = "dispatcher") -> tuple[Dispa
         built.owned_by_service = True
         return built, True
     raise TypeError(f"{option} must be {_WHAT}; got {value!r}")
+
+
+class DispatcherSlot:
+    """The ``dispatcher=`` option of a service, from construction to teardown.
+
+    Built in the service's constructor (``self._dispatch = DispatcherSlot(dispatcher,
+    owner="AsyncEval")``): the value is checked there (:func:`check_dispatcher`: a wrong type
+    or a misspelt name fails at once, nothing is built).  :meth:`acquire` (at setup) gives
+    the dispatcher, building it from a name or None the first time; :meth:`release` (at
+    teardown) closes it when the service owns it -- one it built, or an object marked
+    ``owned_by_service`` -- and forgets it, so a later setup builds a fresh one.
+    """
+
+    def __init__(self, value: Any, *, owner: str, option: str = "dispatcher") -> None:
+        check_dispatcher(value, option=option, owner=owner)
+        self.option = value
+        self._name = option
+        self.dispatcher: Dispatcher | None = None
+        self.owned = False
+        """Whether the service closes the dispatcher at teardown."""
+        if isinstance(value, Dispatcher):
+            self.dispatcher, self.owned = resolve_dispatcher(value, option=option)
+
+    def acquire(self) -> Dispatcher:
+        """The dispatcher, built from the option if there is none yet."""
+        if self.dispatcher is None:
+            self.dispatcher, self.owned = resolve_dispatcher(self.option, option=self._name)
+        return self.dispatcher
+
+    def release(self) -> None:
+        """Close the dispatcher if the service owns it (then a later :meth:`acquire` builds
+        a new one); a dispatcher that is the caller's stays open and kept."""
+        if self.owned and self.dispatcher is not None:
+            self.dispatcher.close()
+            self.dispatcher = None
+
+    def __repr__(self) -> str:
+        return repr(self.dispatcher or self.option)
