@@ -1,5 +1,5 @@
 """ActivationCheckpoint: block detection, bit-identical gradients, saved-tensor bytes,
-selective policies, and the deprecated ``sakura_precision.checkpointing`` name."""
+selective policies, and the public ``RECOMPUTED`` mark on every checkpointed block."""
 
 from __future__ import annotations
 
@@ -256,16 +256,19 @@ class TestActivationCheckpointConformance(ServiceConformance):
         return ActivationCheckpoint(blocks=nn.Linear)
 
 
-def test_the_old_module_name_still_works_with_a_deprecation_warning(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    import importlib
-    import sys
+def test_checkpointed_blocks_carry_the_public_recomputed_mark() -> None:
+    """Other services (a memory planner) read sakura.marks.RECOMPUTED, not a private name;
+    a block already marked is not wrapped twice."""
+    from sakura import marks
 
-    from sakura_precision import activation_checkpoint
-
-    monkeypatch.delitem(sys.modules, "sakura_precision.checkpointing", raising=False)
-    with pytest.warns(DeprecationWarning, match=r"sakura_precision\.activation_checkpoint"):
-        old = importlib.import_module("sakura_precision.checkpointing")
-    assert old.ActivationCheckpoint is activation_checkpoint.ActivationCheckpoint
-    assert old.POLICIES is activation_checkpoint.POLICIES
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    service = ActivationCheckpoint(blocks=nn.Linear)
+    service.wrap_model(model)
+    assert service.checkpointed == ["0", "2"]
+    assert marks.get_mark(model[0], marks.RECOMPUTED) == "activation_checkpoint"
+    assert marks.get_mark(model[2], marks.RECOMPUTED) == "activation_checkpoint"
+    assert not marks.has_mark(model[1], marks.RECOMPUTED)
+    assert "_sakura_activation_checkpoint" not in vars(model[0])
+    again = ActivationCheckpoint(blocks=nn.Linear)
+    again.wrap_model(model)
+    assert again.checkpointed == []

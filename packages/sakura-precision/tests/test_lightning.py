@@ -170,6 +170,35 @@ def test_bf16_autocast_and_true_mode(tmp_path: Path) -> None:
     assert clone.seen[-1] == (torch.bfloat16, torch.bfloat16)
 
 
+class DirectModule(Module):
+    """A training_step that never calls forward: it runs the inner model on the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[torch.dtype] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        self.batches.append(x.dtype)
+        return loss_fn(self.model(x), y)
+
+
+def test_true_mode_casts_the_batch_a_step_receives_without_forward(tmp_path: Path) -> None:
+    """The service only adds a forward pre-hook (it knows no framework); Lightning hands
+    the batch to training_step, so LightningAdapter's precision plugin casts it at
+    Lightning's convert_input, because a service cast the weights."""
+    module = DirectModule()
+    with SakuraRuntime([MixedPrecision("bf16-true")], strict=True) as rt:
+        fit(rt, module, tmp_path, max_epochs=1)
+    assert module.batches == [torch.bfloat16] * STEPS
+    assert {p.dtype for p in module.parameters()} == {torch.bfloat16}
+
+    module = DirectModule()  # no service changed the weights: the batch is left alone
+    with SakuraRuntime([MixedPrecision("bf16")], strict=True) as rt:
+        fit(rt, module, tmp_path, max_epochs=1)
+    assert module.batches == [torch.float32] * STEPS
+
+
 @pytest.mark.parametrize(
     ("trainer_precision", "service"),
     [("16-mixed", "fp16"), ("bf16-true", "bf16"), ("bf16-mixed", "bf16-true")],

@@ -21,10 +21,12 @@ errors).  The adapter counts optimizer steps and keeps the epoch, so every event
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from sakura import events as ev
+from sakura.loop import LoopContext, MetricReporter
 from sakura.options import check_bool, check_int, option_error
 from sakura.runtime import SakuraRuntime
 from sakura_adapters.emitted import events_emitted
@@ -38,6 +40,26 @@ def _int(option: str, value: Any, minimum: int) -> int:
     return int(check_int(option, value, minimum=minimum, owner=_OWNER))
 
 
+def _output_dir(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, (str, os.PathLike)):
+        path = os.fspath(value)
+        if isinstance(path, str) and path:
+            return os.path.abspath(path)
+    raise option_error(
+        "output_dir", value, "a directory path (str or os.PathLike) or None", owner=_OWNER
+    )
+
+
+def _reporter(value: Any) -> MetricReporter | None:
+    if value is None or callable(value):
+        return value  # type: ignore[no-any-return]
+    raise option_error(
+        "report_metrics", value, "a callable report(metrics, epoch, step) or None", owner=_OWNER
+    )
+
+
 class DDPAdapter:
     """Explicit event calls for raw ``torch.distributed`` (or single-process) loops.
 
@@ -48,6 +70,14 @@ class DDPAdapter:
     checkpoint whose services' state does not match the installed services is an error
     (False: a new stateful service starts fresh with a warning, state of a service no
     longer installed is kept and saved again; see :mod:`sakura.resume`).
+
+    What the loop offers services, published on ``OnTrainBegin.loop`` (a
+    :class:`sakura.loop.LoopContext` with ``framework="raw"``): ``output_dir``, the run's
+    output directory (services that write files, such as ``AsyncCheckpoint``, default to a
+    folder inside it), and ``report_metrics``, a callable ``report(metrics, epoch, step)``
+    that receives metrics computed outside the loop (``AsyncEval``'s results).  When the
+    model given to :meth:`on_train_begin` is a ``DistributedDataParallel``, it is the
+    loop's ``wrapped_model``.
     """
 
     def __init__(
@@ -57,6 +87,8 @@ class DDPAdapter:
         rank: int | None = None,
         world_size: int | None = None,
         strict_resume: bool = False,
+        output_dir: str | os.PathLike[str] | None = None,
+        report_metrics: Callable[[Mapping[str, Any], int, int], None] | None = None,
     ) -> None:
         if not isinstance(rt, SakuraRuntime):
             raise TypeError(f"rt must be a sakura.SakuraRuntime, got {type(rt).__name__}")
@@ -73,6 +105,9 @@ class DDPAdapter:
                 "rank", rank, f"an int in [0, world_size={world_size})", owner=_OWNER
             )
         self.strict_resume = check_bool("strict_resume", strict_resume, owner=_OWNER)
+        self.output_dir: str | None = _output_dir(output_dir)
+        """The run's output directory (absolute), published on ``OnTrainBegin.loop``."""
+        self.report_metrics: MetricReporter | None = _reporter(report_metrics)
         self.rt = rt
         rt.rank, rt.world_size = rank, world_size
         self.global_step = 0
@@ -130,6 +165,19 @@ class DDPAdapter:
             optimizer=optimizer,
             train_loader=train_loader,
             accumulation_steps=steps,
+            loop=self.loop_context(model),
+        )
+
+    def loop_context(self, model: Any = None) -> LoopContext:
+        """What this loop offers services (published on ``OnTrainBegin.loop``)."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = model if isinstance(model, DistributedDataParallel) else None
+        return LoopContext(
+            framework="raw",
+            output_dir=self.output_dir,
+            report_metrics=self.report_metrics,
+            wrapped_model=None if wrapped is None else (lambda: wrapped),
         )
 
     def on_train_end(self, model: Any = None, metrics: Mapping[str, Any] | None = None) -> None:

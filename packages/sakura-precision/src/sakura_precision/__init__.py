@@ -24,8 +24,8 @@ _EXPORTS = {
     "FP8Precision": "sakura_precision.mixed_precision",
     "Compile": "sakura_precision.compile",
     "ActivationCheckpoint": "sakura_precision.activation_checkpoint",
-    "Float8Linear": "sakura_precision.fp8",
-    "find_blocks": "sakura_precision.blocks",
+    "Float8Linear": "sakura_precision.float8_linear",
+    "find_blocks": "sakura_torch.blocks",
     "resolve_mode": "sakura_precision.modes",
 }
 

@@ -30,8 +30,9 @@ from torch.utils.checkpoint import (
 )
 
 from sakura import Service
+from sakura.marks import RECOMPUTED, has_mark, set_mark
 from sakura.options import check_bool, check_int
-from sakura_precision.blocks import describe_selector, find_blocks, validate_selector
+from sakura_torch.blocks import describe_selector, find_blocks, validate_selector
 
 __all__ = ["POLICIES", "ActivationCheckpoint"]
 
@@ -64,8 +65,6 @@ POLICIES: dict[str, frozenset[Any]] = {
 """Named policies: the aten ops whose outputs are saved (everything else is recomputed).
 ``"save_matmuls"`` saves matrix products and attention, the compute-heavy ops, so backward
 recomputes only the cheap elementwise work (norms, activations, dropout masks' users)."""
-
-_MARK = "_sakura_activation_checkpoint"
 
 
 def _op_packet(op: Any) -> Any:
@@ -160,7 +159,7 @@ class ActivationCheckpoint(Service):
         blocks: which modules to checkpoint: ``None`` auto-detects the repeated block stack
             (e.g. a transformer's layers); or a block class, a tuple of classes, a class
             name, or a callable ``(name, module) -> bool`` (see
-            :mod:`sakura_precision.blocks`).
+            :mod:`sakura_torch.blocks`).
         policy: ``None`` recomputes everything inside a block; ``"save_matmuls"`` saves the
             outputs of matrix products and attention and recomputes the rest; a collection
             of aten ops (``{torch.ops.aten.mm, "aten.addmm"}``) saves those; a callable is
@@ -233,12 +232,14 @@ class ActivationCheckpoint(Service):
         for index, (name, block) in enumerate(found):
             if index % self.every:
                 continue
-            if block.__dict__.get(_MARK) is not None:
-                continue  # already checkpointed (wrap_model ran twice on this model)
+            if has_mark(block, RECOMPUTED):
+                continue  # already recomputed (wrap_model ran twice on this model)
             wrapper = _CheckpointedForward(
                 block, block.__dict__.get("forward"), self._context_fn, self.preserve_rng_state
             )
             block.__dict__["forward"] = wrapper
-            block.__dict__[_MARK] = True
+            # Public: a memory planner (sakura-offload's or anyone's) reads it and does not
+            # also page this block's activations.
+            set_mark(block, RECOMPUTED, self.name)
             self.checkpointed.append(name)
         return model

@@ -30,7 +30,7 @@ from sakura import Service
 from sakura.env import cache_dir as user_cache_dir
 from sakura.events import OnTrainStepBegin
 from sakura.options import check_bool, check_choice, option_error
-from sakura_precision.blocks import find_blocks, validate_selector
+from sakura_torch.blocks import find_blocks, validate_selector
 
 __all__ = ["MODES", "TARGETS", "Compile", "default_cache_dir"]
 
@@ -82,7 +82,7 @@ class Compile(Service):
             LightningModule, ``"model"`` compiles its ``__call__``, i.e. what
             ``self(batch)`` runs in ``training_step``.
         blocks: the block selector for ``target="blocks"`` (see
-            :mod:`sakura_precision.blocks`); auto-detected by default.
+            :mod:`sakura_torch.blocks`); auto-detected by default.
         backend: a ``torch.compile`` backend (``"inductor"``; ``"aot_eager"`` to trace
             without generating code).  A non-default ``mode`` needs ``"inductor"``.
         fullgraph: fail on graph breaks instead of falling back to Python.

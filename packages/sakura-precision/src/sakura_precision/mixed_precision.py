@@ -16,7 +16,7 @@ mode                        class and hooks
 ``"16-true"``,              and casts floating inputs; ``autocast`` makes the dtype the
 ``"32-true"``, ``"64-true"``  default for tensors created in forward (as Lightning does)
 ``"fp8"``                   :class:`FP8Precision`: ``wrap_model`` turns Linear layers into
-                            :class:`~sakura_precision.fp8.Float8Linear` in place; ``autocast``
+                            :class:`~sakura_precision.float8_linear.Float8Linear` in place; ``autocast``
                             is bf16 autocast for everything else
 ==========================  ===================================================================
 
@@ -28,8 +28,6 @@ applied by the callback), while fp16, which owns the optimizer step, needs
 from __future__ import annotations
 
 import inspect
-import sys
-import types
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
@@ -40,7 +38,8 @@ from torch import nn
 from sakura import STEP_SKIPPED, Service, StepSkipped
 from sakura.events import OnFitBegin, OnPredictBegin, OnTestBegin, OnTrainBegin, OnValidationBegin
 from sakura.options import check_bool, check_choice, check_int, check_number, option_error
-from sakura_precision.fp8 import check_fp8_hardware, convert_to_float8
+from sakura.proxies import unwrap_optimizer
+from sakura_precision.float8_linear import check_fp8_hardware, convert_to_float8
 from sakura_precision.modes import Mode, resolve_mode
 
 __all__ = [
@@ -71,32 +70,14 @@ def _model_device_type(model: Any) -> str | None:
     return None
 
 
-# Pure proxies that frameworks hand out in place of the user's optimizer: (module, class,
-# attribute holding the wrapped optimizer).  They share its param_groups, so for loss scaling
-# they are the same optimizer; the scaler must see one object per step, or a clip through
-# the proxy and the step through the real optimizer would unscale twice.
-_OPTIMIZER_PROXIES = (
-    ("lightning.pytorch.core.optimizer", "LightningOptimizer", "_optimizer"),
-    ("pytorch_lightning.core.optimizer", "LightningOptimizer", "_optimizer"),
-    ("accelerate.optimizer", "AcceleratedOptimizer", "optimizer"),
-    ("sakura_adapters.hf", "_RuntimeStepOptimizer", "optimizer"),
-)
-
-
 def base_optimizer(optimizer: Any) -> Any:
-    """``optimizer`` without the framework proxies around it (Lightning's
+    """``optimizer`` without the proxies frameworks hand out around it (Lightning's
     ``LightningOptimizer``, accelerate's ``AcceleratedOptimizer``, SakuraTrainer's step
-    proxy).  Looked up in ``sys.modules`` only: nothing is imported."""
-    for _ in range(len(_OPTIMIZER_PROXIES) + 1):
-        for module_name, class_name, attribute in _OPTIMIZER_PROXIES:
-            module = sys.modules.get(module_name)
-            cls = getattr(module, class_name, None) if module is not None else None
-            if cls is not None and isinstance(optimizer, cls):
-                optimizer = getattr(optimizer, attribute)
-                break
-        else:
-            return optimizer
-    return optimizer
+    proxy: whatever an integration registered with :mod:`sakura.proxies`).  They share its
+    ``param_groups``, so for loss scaling they are the same optimizer: the scaler must see
+    one object per step, or a clip through the proxy and the step through the real
+    optimizer would unscale twice."""
+    return unwrap_optimizer(optimizer)
 
 
 def _is_ddp(model: Any) -> bool:
@@ -514,16 +495,7 @@ def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
-_STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 _MARK = "_sakura_true_precision"
-
-
-def _is_lightning_module(model: Any) -> bool:
-    for module_name in ("lightning.pytorch", "pytorch_lightning"):
-        pl = sys.modules.get(module_name)
-        if pl is not None and isinstance(model, pl.LightningModule):
-            return True
-    return False
 
 
 class TruePrecision(MixedPrecision):
@@ -531,9 +503,10 @@ class TruePrecision(MixedPrecision):
 
     ``wrap_model`` casts the model's parameters and buffers in place and adds a forward
     pre-hook that casts floating-point inputs to the dtype (integer inputs such as token
-    ids are left alone); for a LightningModule, whose steps receive the batch rather than
-    the model, the ``*_step`` methods cast their batch instead (Lightning's
-    ``convert_input``).  ``autocast`` makes the dtype the default dtype during the forward,
+    ids are left alone), whatever the module.  A loop that hands batches to methods other
+    than ``forward`` (Lightning's ``training_step``) casts them itself: its adapter sees
+    that the weights now have one floating dtype and casts the batch to it, as
+    ``LightningAdapter`` does at Lightning's ``convert_input``.  ``autocast`` makes the dtype the default dtype during the forward,
     so tensors created there match.  No loss scaling: as in Lightning, ``"16-true"`` trains
     without it.  Call ``rt.prepare`` before wrapping the model in DDP.
     """
@@ -557,13 +530,7 @@ class TruePrecision(MixedPrecision):
         if getattr(model, _MARK, None) is not None:
             return model
         dtype = self.dtype
-        if _is_lightning_module(model):
-            for method_name in _STEP_METHODS:
-                if hasattr(model, method_name):
-                    caster = _BatchCaster(model, method_name, dtype)
-                    object.__setattr__(model, method_name, caster)
-        else:
-            model.register_forward_pre_hook(_InputCaster(dtype), with_kwargs=True)
+        model.register_forward_pre_hook(_InputCaster(dtype), with_kwargs=True)
         object.__setattr__(model, _MARK, dtype)
         return model
 
@@ -583,35 +550,8 @@ class _InputCaster:
         return _cast_floating(args, self.dtype), _cast_floating(kwargs, self.dtype)
 
 
-class _BatchCaster:
-    """A LightningModule ``*_step`` method whose batch is cast first.
-
-    Keeps the module and the method's name rather than the bound method (which would
-    pickle as ``getattr(module, name)`` and find this wrapper again); a step method the
-    instance already had (Lightning's compiled steps, say) is kept as it is.
-    """
-
-    def __init__(self, module: nn.Module, name: str, dtype: torch.dtype) -> None:
-        self.module = module
-        self.name = name
-        self.instance_method = module.__dict__.get(name)
-        self.dtype = dtype
-
-    def original(self) -> Callable[..., Any]:
-        if self.instance_method is not None:
-            return self.instance_method  # type: ignore[no-any-return]
-        return types.MethodType(getattr(type(self.module), self.name), self.module)
-
-    @property
-    def __wrapped__(self) -> Callable[..., Any]:  # Lightning's is_overridden unwraps this
-        return self.original()
-
-    def __call__(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
-        return self.original()(_cast_floating(batch, self.dtype), *args, **kwargs)
-
-
 class FP8Precision(AutocastPrecision):
-    """``"fp8"``: Linear matmuls in float8 (see :mod:`sakura_precision.fp8`), everything else
+    """``"fp8"``: Linear matmuls in float8 (see :mod:`sakura_precision.float8_linear`), everything else
     under bf16 autocast.  Needs an NVIDIA GPU of compute capability >= 8.9; elsewhere
     ``wrap_model`` or the first forward raises, unless ``emulate=True``."""
 

@@ -59,9 +59,6 @@ from __future__ import annotations
 from sakura.deprecation import deprecated_aliases
 from sakura_adapters.hf.callback import HFAdapter
 from sakura_adapters.hf.checks import SakuraTrainerRequiredError
-
-# Looked up by sakura_precision (sys.modules["sakura_adapters.hf"]) to see through the proxy.
-from sakura_adapters.hf.optimizer import _RuntimeStepOptimizer as _RuntimeStepOptimizer
 from sakura_adapters.hf.state import STATE_FILE, state_file_name
 from sakura_adapters.hf.trainer import SakuraTrainer
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from transformers import Trainer, TrainerCallback
 
 from sakura import events as ev
+from sakura.loop import LoopContext
 from sakura.options import check_bool
 from sakura.runtime import SakuraRuntime
 from sakura_adapters.emitted import events_emitted, warn_unemitted
@@ -28,11 +29,24 @@ from sakura_adapters.hf.checks import (
 from sakura_adapters.hf.optimizer import mark_step_skipped, service_optimizer
 from sakura_adapters.hf.state import checkpoint_dir, find_checkpoint, load_state, save_state
 from sakura_adapters.hf.wrapping import WrapRecord, patch_autocast
-
-if TYPE_CHECKING:
-    from sakura_adapters.hf.trainer import SakuraTrainer
+from sakura_adapters.metrics import numeric_metrics
 
 __all__ = ["HFAdapter"]
+
+
+class BoundTrainer(Protocol):
+    """What the adapter uses of the :class:`~sakura_adapters.hf.SakuraTrainer` bound to it
+    (this module does not import the trainer module, which imports this one)."""
+
+    model: Any
+    model_wrapped: Any
+    args: Any
+    state: Any
+    control: Any
+    callback_handler: Any
+
+    def _sakura_install_hooks(self) -> None: ...
+
 
 # The hooks the Trainer calls on every callback (TrainerCallback's on_* methods).
 _CALLBACK_HOOKS = tuple(
@@ -130,8 +144,6 @@ class HFAdapter(TrainerCallback):
 
     def _warn_unemitted(self) -> None:
         """Warn about every installed service's handler for an event never emitted here."""
-        from sakura_adapters.hf.trainer import SakuraTrainer
-
         trainer = self._trainer
         if trainer is not None:
             warn_unemitted(
@@ -141,7 +153,9 @@ class HFAdapter(TrainerCallback):
                 fix=lambda event: _NO_SUCH_MOMENT,
             )
             return
-        with_trainer = self.emitted_events(SakuraTrainer) or frozenset()
+        # Every event the SakuraTrainer emits goes through one of this adapter's methods
+        # (_backward, _begin_eval, _train_failed), so all of them are what it adds.
+        with_trainer = events_emitted(type(self), None, stop_at=TrainerCallback) or frozenset()
         warn_unemitted(
             self.rt,
             self.emitted_events(),
@@ -156,11 +170,11 @@ class HFAdapter(TrainerCallback):
     # --- helpers ----------------------------------------------------------------------
 
     @property
-    def _trainer(self) -> SakuraTrainer | None:
+    def _trainer(self) -> BoundTrainer | None:
         """The SakuraTrainer this adapter belongs to; None under the stock Trainer."""
         return self._trainer_ref() if self._trainer_ref is not None else None
 
-    def _bind(self, trainer: SakuraTrainer) -> None:
+    def _bind(self, trainer: BoundTrainer) -> None:
         self._trainer_ref = weakref.ref(trainer)
 
     def _emit(self, cls: type[ev.Event], state: Any, **fields: Any) -> None:
@@ -189,6 +203,56 @@ class HFAdapter(TrainerCallback):
         self._eval_idx = 0
         self._predicting = predicting
         self._emit(ev.OnPredictBegin if predicting else ev.OnValidationBegin, state, model=model)
+
+    def _backward(
+        self,
+        state: Any,
+        model: Any,
+        backward: Callable[..., Any],
+        loss: Any,
+        kwargs: Mapping[str, Any],
+    ) -> Any:
+        """SakuraTrainer's ``accelerator.backward``: the events around the backward of
+        ``rt.scale_loss(loss)``."""
+        self._emit(ev.OnBeforeBackward, state, model=model, loss=loss)
+        result = backward(self.rt.scale_loss(loss), **kwargs)
+        self._emit(ev.OnAfterBackward, state, model=model, loss=loss)
+        self._add_loss(loss)
+        return result
+
+    def _train_failed(self, state: Any, exc: BaseException) -> None:
+        """SakuraTrainer: ``train`` raised ``exc``; the services hear of it first."""
+        self.rt.emit(
+            ev.OnError,
+            step=state.global_step,
+            epoch=self._epoch,
+            exception=exc,
+            source="transformers",
+        )
+
+    def _loop_context(self, args: Any, state: Any) -> LoopContext:
+        """What the Trainer's loop offers services (``OnTrainBegin.loop``): its output
+        directory, metric reporting into ``state.log_history`` (and, under SakuraTrainer,
+        the callbacks' ``on_log``, so ``report_to`` integrations see the metrics), and
+        SakuraTrainer's wrapped model."""
+        trainer = self._trainer
+
+        def report(metrics: Mapping[str, Any], epoch: int, step: int) -> None:
+            scalars = numeric_metrics(metrics)
+            # The Trainer counts epochs completed.
+            state.log_history.append({**scalars, "epoch": float(epoch + 1), "step": step})
+            if trainer is not None:
+                trainer.callback_handler.on_log(
+                    trainer.args, trainer.state, trainer.control, dict(scalars)
+                )
+
+        output_dir = getattr(args, "output_dir", None)
+        return LoopContext(
+            framework="transformers",
+            output_dir=str(output_dir) if output_dir else None,
+            report_metrics=report,
+            wrapped_model=None if trainer is None else (lambda: trainer.model_wrapped),
+        )
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -240,6 +304,7 @@ class HFAdapter(TrainerCallback):
             # SakuraTrainer binds itself; a callback on the stock Trainer only has its state.
             trainer=state if trainer is None else trainer,
             accumulation_steps=int(args.gradient_accumulation_steps),
+            loop=self._loop_context(args, state),
         )
 
     def on_train_end(

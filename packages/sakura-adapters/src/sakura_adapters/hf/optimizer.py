@@ -3,7 +3,9 @@
 Accelerate wraps the Trainer's optimizer in an ``AcceleratedOptimizer``; SakuraTrainer puts
 :class:`_RuntimeStepOptimizer` between the two so that ``step()`` goes through the runtime.
 Services must always receive the optimizer ``rt.wrap_optimizer`` returned, never a wrapper:
-:func:`service_optimizer` peels both layers off.
+:func:`service_optimizer` peels both layers off.  Both proxy types are registered with
+:func:`sakura.proxies.register_optimizer_proxy` when this module is imported, so a service
+handed either one sees through it with :func:`sakura.proxies.unwrap_optimizer`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 # accelerate ships no type information (no py.typed).
 from accelerate.optimizer import AcceleratedOptimizer  # type: ignore[import-untyped]
 
+from sakura.proxies import register_optimizer_proxy
 from sakura.runtime import SakuraRuntime
 
 __all__ = ["mark_step_skipped", "service_optimizer"]
@@ -33,8 +36,7 @@ class _RuntimeStepOptimizer(torch.optim.Optimizer):
     idempotent per step) and offers the step to ``rt.optimizer_step``; the wrapped optimizer
     steps itself only when no service owned the step.
 
-    The class name is looked up by ``sakura_precision`` (in ``sys.modules``, as
-    ``sakura_adapters.hf._RuntimeStepOptimizer``) to see through the proxy: keep both.
+    Registered as an optimizer proxy (``sakura.proxies``), as accelerate's wrapper is.
     """
 
     def __init__(self, optimizer: Any, rt: SakuraRuntime) -> None:
@@ -111,6 +113,10 @@ class _RuntimeStepOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.optimizer!r})"
+
+
+register_optimizer_proxy(AcceleratedOptimizer, "optimizer")
+register_optimizer_proxy(_RuntimeStepOptimizer, "optimizer")
 
 
 def is_wrapper(optimizer: Any) -> bool:

@@ -14,7 +14,6 @@ from torch import nn
 from transformers import Trainer
 from transformers.trainer_utils import get_last_checkpoint
 
-from sakura import events as ev
 from sakura.options import check_bool
 from sakura.runtime import SakuraRuntime
 from sakura_adapters.hf.callback import HFAdapter
@@ -205,12 +204,7 @@ class SakuraTrainer(Trainer):
         accelerator.__dict__["_sakura_hooks"] = token
 
     def _sakura_backward(self, backward: Callable[..., Any], loss: Any, **kwargs: Any) -> Any:
-        rt, adapter, state = self.runtime, self.sakura_adapter, self.state
-        adapter._emit(ev.OnBeforeBackward, state, model=self.model, loss=loss)
-        result = backward(rt.scale_loss(loss), **kwargs)
-        adapter._emit(ev.OnAfterBackward, state, model=self.model, loss=loss)
-        adapter._add_loss(loss)
-        return result
+        return self.sakura_adapter._backward(self.state, self.model, backward, loss, kwargs)
 
     def _sakura_clip_grad_norm(self, clip: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         optimizer = service_optimizer(self.optimizer)
@@ -241,13 +235,7 @@ class SakuraTrainer(Trainer):
                 **kwargs,
             )
         except BaseException as exc:
-            self.runtime.emit(
-                ev.OnError,
-                step=self.state.global_step,
-                epoch=self.sakura_adapter._epoch,
-                exception=exc,
-                source="transformers",
-            )
+            self.sakura_adapter._train_failed(self.state, exc)
             raise
         finally:
             self.sakura_adapter._resume_path = None

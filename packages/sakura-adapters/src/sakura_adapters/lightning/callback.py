@@ -17,10 +17,12 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 from sakura import events as ev
+from sakura.loop import LoopContext
 from sakura.options import check_bool
 from sakura.runtime import SakuraRuntime
 from sakura_adapters.emitted import events_emitted, warn_unemitted
 from sakura_adapters.lightning.precision import SakuraPrecision, check_runtime
+from sakura_adapters.metrics import numeric_metrics
 
 __all__ = ["CHECKPOINT_KEY", "LightningAdapter"]
 
@@ -43,6 +45,46 @@ _NO_SUCH_MOMENT = (
 
 def _metrics(trainer: pl.Trainer) -> dict[str, Any]:
     return dict(trainer.callback_metrics)
+
+
+def report_metrics(trainer: pl.Trainer, metrics: Mapping[str, Any], epoch: int, step: int) -> None:
+    """Hand metrics computed outside the loop (AsyncEval's) to Lightning: they join
+    ``trainer.callback_metrics`` and ``trainer.logged_metrics`` (so monitors, the progress
+    bar and ``trainer.callback_metrics`` readers see them), and every logger gets
+    ``log_metrics(metrics, step)`` with the step at which the evaluated weights were taken."""
+    scalars = numeric_metrics(metrics)
+    if not scalars:
+        return
+    tensors = {k: torch.tensor(v) for k, v in scalars.items()}
+    trainer.callback_metrics.update(tensors)
+    trainer.logged_metrics.update(tensors)
+    for lg in trainer.loggers:
+        lg.log_metrics(dict(scalars), step=step)
+
+
+def loop_context(trainer: pl.Trainer) -> LoopContext:
+    """What the Lightning loop offers services (``OnTrainBegin.loop``).
+
+    The checkpoint is what ``Trainer.save_checkpoint`` writes, built by Lightning's own
+    ``_checkpoint_connector.dump_checkpoint``: a private Lightning API, used here because
+    framework knowledge lives in the adapter (services only call ``checkpoint_state``)."""
+
+    def checkpoint_state() -> dict[str, Any]:
+        return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+    def report(metrics: Mapping[str, Any], epoch: int, step: int) -> None:
+        report_metrics(trainer, metrics, epoch, step)
+
+    root = trainer.default_root_dir
+    return LoopContext(
+        framework="lightning",
+        output_dir=str(root) if root else None,
+        checkpoint_state=checkpoint_state,
+        checkpoint_format="lightning",
+        report_metrics=report,
+        # Lightning's "possibly wrapped" model: a DistributedDataParallel under DDP.
+        wrapped_model=lambda: trainer.model,
+    )
 
 
 def monitored_metrics(trainer: pl.Trainer) -> frozenset[str]:
@@ -193,6 +235,7 @@ class LightningAdapter(Callback):
             optimizer=optimizers[0] if optimizers else None,
             train_loader=trainer.train_dataloader,
             trainer=trainer,
+            loop=loop_context(trainer),
             # Lightning accumulates only under automatic optimization; a manual
             # training_step steps when it likes, so the loop says nothing then.
             accumulation_steps=(

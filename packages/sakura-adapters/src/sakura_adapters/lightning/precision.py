@@ -16,11 +16,23 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
+from lightning_utilities.core.apply_func import apply_to_collection
 
 from sakura import events as ev
+from sakura.proxies import register_optimizer_proxy
 from sakura.runtime import SakuraRuntime
 
 __all__ = ["SakuraPrecision", "check_runtime"]
+
+# Lightning hands training_step a LightningOptimizer around the real optimizer: services
+# see through it with sakura.proxies.unwrap_optimizer.
+register_optimizer_proxy(LightningOptimizer, "_optimizer")
+
+
+def _floating_dtype(module: torch.nn.Module) -> torch.dtype | None:
+    """The one floating dtype of ``module``'s parameters, else None."""
+    dtypes = {p.dtype for p in module.parameters() if p.is_floating_point()}
+    return dtypes.pop() if len(dtypes) == 1 else None
 
 
 def check_runtime(rt: Any) -> SakuraRuntime:
@@ -52,11 +64,16 @@ class SakuraPrecision(Precision):
             inner = inner.inner
         self.inner = inner if inner is not None else Precision()
         self.precision = self.inner.precision
+        self._input_dtype: torch.dtype | None = None
+        """The dtype a service cast the module's weights to in ``convert_module``
+        (``MixedPrecision("bf16-true")``, say): batches are cast to it, as Lightning's own
+        ``-true`` plugins do in ``convert_input``; None when no service changed it."""
 
     # --- setup ------------------------------------------------------------------------
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         module = self.inner.convert_module(module)
+        before = _floating_dtype(module)
         wrapped = self.rt.wrap_model(module)
         if isinstance(module, pl.LightningModule) and wrapped is not module:
             raise TypeError(
@@ -64,6 +81,11 @@ class SakuraPrecision(Precision):
                 f"it (services {list(self.rt.implements('wrap_model'))} returned a "
                 f"{type(wrapped).__name__}); Lightning drives the module it was given"
             )
+        # Lightning hands the batch to training_step, not to forward, so a service's forward
+        # pre-hook casting the inputs does not see it: when a service cast the weights to
+        # one dtype, the batch follows them here (Lightning's convert_input moment).
+        after = _floating_dtype(wrapped) if isinstance(wrapped, torch.nn.Module) else None
+        self._input_dtype = after if after is not None and after != before else None
         return wrapped  # type: ignore[no-any-return]
 
     def connect(
@@ -91,7 +113,15 @@ class SakuraPrecision(Precision):
         return self.inner.module_init_context()
 
     def convert_input(self, data: Any) -> Any:
-        return self.inner.convert_input(data)
+        data = self.inner.convert_input(data)
+        dtype = self._input_dtype
+        if dtype is None:
+            return data
+        return apply_to_collection(
+            data,
+            torch.Tensor,
+            lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t,
+        )
 
     def convert_output(self, data: Any) -> Any:
         return self.inner.convert_output(data)

@@ -13,7 +13,7 @@ from precision_helpers import make_batches, make_model, runtime_loop, weights
 from sakura import SakuraRuntime
 from sakura.testing import ServiceConformance
 from sakura_precision import FP8Precision, MixedPrecision
-from sakura_precision.fp8 import E4M3, E5M2, Float8Linear, _quantize, fp8_matmul
+from sakura_precision.float8_linear import E4M3, E5M2, Float8Linear, _quantize, fp8_matmul
 
 HAS_FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
