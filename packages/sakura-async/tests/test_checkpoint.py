@@ -333,7 +333,7 @@ def test_parse_every(every: Any, expected: tuple[str, float]) -> None:
         ({"keep": 0}, "AsyncCheckpoint: keep=0 is not accepted; accepted: an int >= 1 or None"),
         (
             {"format": "pickle"},
-            "format='pickle' is not accepted; accepted: 'torch', 'safetensors', 'lightning'",
+            "format='pickle' is not accepted; accepted: 'torch', 'safetensors', 'loop', 'lightning'",
         ),
         ({"compress": 40}, "compress=40 is not accepted; accepted: a zstd level from 1 to 22"),
         ({"format": "lightning", "compress": 3}, "accepted: None with format='lightning'"),

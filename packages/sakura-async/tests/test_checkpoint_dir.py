@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from sakura import OnEpochEnd, OnError, OnTrainBegin, SakuraRuntime
+from sakura.loop import LoopContext
 from sakura.options import OptionError
 from sakura.testing import RecordingService
 from sakura_async import AsyncCheckpoint, load_latest
@@ -116,19 +118,80 @@ def test_without_dir_or_an_output_dir_the_first_save_fails_loudly(
     assert ckpt.saved == [] and os.listdir(tmp_path) == []  # nothing written to the cwd
 
 
-def test_use_output_dir_gives_the_default_and_an_explicit_dir_wins(tmp_path: Path) -> None:
+def test_the_loops_output_dir_gives_the_default_and_an_explicit_dir_wins(tmp_path: Path) -> None:
+    """The default dir comes from OnTrainBegin.loop.output_dir, the one door an adapter
+    (first-party or not) opens; the service has no other (no attach, no use_output_dir)."""
     state = {"w": torch.ones(2)}
+    loop = LoopContext(framework="toy", output_dir=str(tmp_path / "run"))
     ckpt = AsyncCheckpoint(every=1, dispatcher="inthread", state_provider=lambda: state)
-    ckpt.use_output_dir(tmp_path / "run")
     with SakuraRuntime([ckpt], strict=True) as rt:
+        rt.emit(OnTrainBegin, loop=loop)
         rt.emit(OnEpochEnd, epoch=0, step=1)
+    assert ckpt.dir == str(tmp_path / "run" / "async_checkpoint")
     assert load_latest(tmp_path / "run" / "async_checkpoint") is not None
-    explicit = AsyncCheckpoint(tmp_path / "mine", dispatcher="inthread")
-    assert explicit.use_output_dir(tmp_path / "run").dir == str(tmp_path / "mine")
-    with pytest.raises(OptionError, match="AsyncCheckpoint: output dir=3 is not accepted"):
-        explicit.use_output_dir(3)  # type: ignore[arg-type]
-    with pytest.raises(OptionError, match=r"AsyncCheckpoint.attach: trainer=.* is not accepted"):
-        explicit.attach(object())
+    explicit = AsyncCheckpoint(
+        tmp_path / "mine", dispatcher="inthread", state_provider=lambda: state
+    )
+    with SakuraRuntime([explicit], strict=True) as rt:
+        rt.emit(OnTrainBegin, loop=loop)
+        rt.emit(OnEpochEnd, epoch=0, step=1)
+    assert explicit.dir == str(tmp_path / "mine")
+    assert load_latest(tmp_path / "mine") is not None
+    assert not hasattr(explicit, "attach") and not hasattr(explicit, "use_output_dir")
+
+
+def test_a_trainer_on_the_event_is_not_a_door(tmp_path: Path, monkeypatch: Any) -> None:
+    """Only the loop context counts: an object with an output dir in OnTrainBegin.trainer
+    (for user code) is not read."""
+
+    class Trainer:
+        default_root_dir = str(tmp_path / "root")
+        args = type("Args", (), {"output_dir": str(tmp_path / "out")})()
+
+    monkeypatch.chdir(tmp_path)
+    ckpt = AsyncCheckpoint(every=1, dispatcher="inthread", state_provider=lambda: {})
+    rt = SakuraRuntime([ckpt])
+    rt.start()
+    rt.emit(OnTrainBegin, trainer=Trainer())
+    rt.emit(OnEpochEnd, epoch=0, step=1)
+    with pytest.raises(CheckpointWriteError, match=r"OnTrainBegin.loop.output_dir"):
+        rt.close()
+    assert ckpt.dir is None and sorted(os.listdir(tmp_path)) == []
+
+
+def test_format_loop_saves_the_loops_own_checkpoint(tmp_path: Path) -> None:
+    """format='loop' writes what LoopContext.checkpoint_state builds; without one, and for
+    format='lightning' on a loop of another layout, the save fails naming what to do."""
+    weights = torch.arange(3.0)
+    loop = LoopContext(
+        framework="toy",
+        checkpoint_state=lambda: {"toy_format": 1, "weights": weights.clone()},
+        checkpoint_format="toy",
+    )
+    ckpt = AsyncCheckpoint(tmp_path / "loop", format="loop", dispatcher="inthread")
+    with SakuraRuntime([ckpt], strict=True) as rt:
+        rt.emit(OnTrainBegin, loop=loop)
+        rt.emit(OnEpochEnd, epoch=0, step=1)
+    latest = load_latest(tmp_path / "loop")
+    assert latest is not None and latest.format == "loop"
+    assert latest.state["toy_format"] == 1 and torch.equal(latest.state["weights"], weights)
+    cases = [
+        ("lightning", loop, r"format='lightning' needs a Lightning checkpoint, but the 'toy' "
+         r"loop's checkpoint is in the 'toy' layout: use format='loop'"),
+        ("loop", LoopContext(framework="toy"), r"format='loop' saves the loop's own "
+         r"checkpoint, but the 'toy' loop offers none"),
+        ("lightning", None, r"no adapter published a loop context .*use LightningAdapter"),
+    ]  # fmt: skip
+    for fmt, given, message in cases:
+        rec = RecordingService(event_types={OnError})
+        failing = AsyncCheckpoint(tmp_path / fmt, format=fmt, dispatcher="inthread")
+        with SakuraRuntime([rec, failing]) as rt:
+            rt.emit(OnTrainBegin, loop=given)
+            rt.emit(OnEpochEnd, epoch=0, step=1)
+        [error] = rec.of(OnError)
+        assert error.source == "async_checkpoint"
+        assert re.search(message, str(error.exception)), str(error.exception)
+        assert failing.saved == []
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")

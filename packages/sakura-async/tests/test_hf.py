@@ -103,13 +103,9 @@ def make_trainer(
     )
 
 
-@pytest.mark.parametrize(
-    ("trainer_cls", "attach"),
-    [(Trainer, True), (Trainer, False), (SakuraTrainer, False)],
-    ids=["stock-attached", "stock", "sakura-trainer"],
-)
+@pytest.mark.parametrize("trainer_cls", [Trainer, SakuraTrainer], ids=["stock", "sakura-trainer"])
 def test_async_eval_and_checkpoint_under_the_hf_trainer(
-    tmp_path: Path, trainer_cls: type[Trainer], attach: bool
+    tmp_path: Path, trainer_cls: type[Trainer]
 ) -> None:
     reference = SyncReference()
     rec = RecordingService(event_types={OnValidationEnd})
@@ -117,17 +113,16 @@ def test_async_eval_and_checkpoint_under_the_hf_trainer(
         ae = rt.install(AsyncEval(eval_fn, dispatcher="thread", pass_task=True))
         ckpt = rt.install(AsyncCheckpoint(tmp_path / "ckpt", every=1, keep=2, dispatcher="thread"))
         trainer = make_trainer(rt, tmp_path, reference, trainer_cls)
-        if attach:
-            ae.attach(trainer)
         trainer.train()
     assert [e.metrics["async_loss"] for e in rec.of(OnValidationEnd)] == reference.values
-    # Without attach(): the adapter gave AsyncEval the trainer (SakuraTrainer) or its state.
+    assert ae.report_to == "auto"
+    # The adapter's LoopContext.report_metrics appends to the Trainer's log history.
     entries = [h for h in trainer.state.log_history if "async_loss" in h]
     assert [(h["epoch"], h["step"], h["async_loss"]) for h in entries] == [
         (float(e + 1), STEPS * (e + 1), reference.values[e]) for e in range(EPOCHS)
     ]
-    # The Trainer's callbacks hear of the results when AsyncEval has the Trainer itself.
-    reaches_callbacks = attach or trainer_cls is SakuraTrainer
+    # The Trainer's callbacks hear of the results where the adapter holds the Trainer.
+    reaches_callbacks = trainer_cls is SakuraTrainer
     expected = [{"async_loss": v} for v in reference.values] if reaches_callbacks else []
     assert reference.logged == expected
     assert [c.step for c in find_checkpoints(tmp_path / "ckpt")] == [STEPS * 2, STEPS * 3]
@@ -137,32 +132,34 @@ def test_async_eval_and_checkpoint_under_the_hf_trainer(
     assert all(torch.equal(latest.state["model"][k], final[k]) for k in final)
 
 
-def test_auto_reporting_uses_a_trainer_state_carried_by_the_train_begin_event() -> None:
-    """The stock Trainer's HFAdapter puts the TrainerState on OnTrainBegin (its ``trainer``
-    field): report_to="auto" reaches the log history without attach()."""
+def test_auto_reporting_goes_through_the_loops_report_metrics() -> None:
+    """report_to="auto" hands each result to OnTrainBegin.loop.report_metrics, with the
+    evaluated epoch and step; a framework object on the event's ``trainer`` is not read."""
     from transformers import TrainerState
 
     from sakura import OnEpochEnd, OnTrainBegin, OnTrainEnd
+    from sakura.loop import LoopContext
 
+    reported: list[tuple[dict[str, Any], int, int]] = []
     state = TrainerState()
     model = TinyRegressor()
+    loop = LoopContext(report_metrics=lambda m, e, s: reported.append((dict(m), e, s)))
     with SakuraRuntime(strict=True) as rt:
         rt.install(AsyncEval(eval_fn, dispatcher="inthread", pass_task=True))
-        rt.emit(OnTrainBegin, model=model, trainer=state)
+        rt.emit(OnTrainBegin, model=model, trainer=state, loop=loop)
         rt.emit(OnEpochEnd, epoch=0, step=4, model=model)
         rt.emit(OnTrainEnd, epoch=0, step=4, model=model)
-    assert state.log_history == [{"async_loss": val_loss(model), "epoch": 1.0, "step": 4}]
+    assert reported == [({"async_loss": val_loss(model)}, 0, 4)]
+    assert state.log_history == []
 
 
-@pytest.mark.parametrize("how", ["sakura-trainer", "attach"])
+@pytest.mark.parametrize("how", ["sakura-trainer", "stock"])
 def test_without_dir_checkpoints_go_to_the_trainers_output_dir(tmp_path: Path, how: str) -> None:
     with SakuraRuntime(strict=True) as rt:
         ckpt = rt.install(AsyncCheckpoint(every=1, keep=1, dispatcher="inthread"))
         trainer_cls = SakuraTrainer if how == "sakura-trainer" else Trainer
         trainer = make_trainer(rt, tmp_path, SyncReference(), trainer_cls)
-        if how == "attach":
-            ckpt.attach(trainer)
-        trainer.train()
+        trainer.train()  # the stock Trainer's callback publishes args.output_dir too
     out = tmp_path / "out" / "async_checkpoint"
     assert ckpt.dir == str(out) and not ckpt.errors
     latest = load_latest(out)

@@ -12,7 +12,8 @@ import pytest
 import sakura.dispatch
 import sakura.services
 import sakura_async
-from sakura import SakuraRuntime, SpecError
+from sakura import OnTrainBegin, SakuraRuntime, SpecError
+from sakura.loop import LoopContext
 from sakura.plugins import get_plugin_manager
 from sakura_async import AsyncCheckpoint, AsyncEval
 from sakura_async.dispatch import (
@@ -163,7 +164,9 @@ def test_async_checkpoint_by_name(tmp_path: Path) -> None:
     assert service.dir == str(tmp_path)
     default = create("service", "async_checkpoint")  # no silent ./checkpoints
     assert default.dir is None and default.unit == "epochs"
-    assert default.use_output_dir(tmp_path / "run").dir == str(tmp_path / "run" / default.name)
+    with SakuraRuntime([default], strict=True) as rt:  # the loop's output dir is the default
+        rt.emit(OnTrainBegin, loop=LoopContext(output_dir=str(tmp_path / "run")))
+    assert default.dir == str(tmp_path / "run" / default.name)
     best = create(
         "service", f"async_checkpoint:inthread,dir={tmp_path},every=best,metric=val_loss,mode=max"
     )

@@ -26,7 +26,8 @@ to its dispatcher and returns; the next epoch trains while the evaluation runs.
 
 Results come back on the training thread, in epoch order, as ``OnValidationEnd`` events
 (``epoch`` and ``step`` of the evaluated epoch, ``model=None`` because the live model has
-moved on; the live model when delivered at that epoch's own end), and reach the framework's metrics (see :mod:`sakura_async.reporting`).  At most
+moved on; the live model when delivered at that epoch's own end), and reach the framework's
+metrics through the loop's ``report_metrics`` (see :mod:`sakura_async.reporting`).  At most
 ``max_pending`` evaluations are in flight: at an epoch end with that many unfinished, the
 training thread waits for the oldest.  Training end (``OnTrainEnd``) and the runtime's
 ``drain`` wait for every evaluation, so the last one is never lost.  When
@@ -55,13 +56,7 @@ from sakura.runtime import SakuraRuntime
 from sakura_async._model import unwrap_model
 from sakura_async.dispatch.base import Dispatcher, TaskFuture
 from sakura_async.dispatch.resolve import DispatcherSlot
-from sakura_async.reporting import (
-    Reporter,
-    check_report_to,
-    lightning_trainer_of,
-    make_reporter,
-    report_lightning,
-)
+from sakura_async.reporting import Reporter, check_report_to, make_reporter
 from sakura_async.snapshot import Snapshot, SnapshotPool
 
 __all__ = ["AsyncEval", "EvalResult", "EvalTask", "declares_task", "run_eval"]
@@ -257,11 +252,11 @@ class AsyncEval(Service):
         state_provider: ``state_provider(model) -> state_dict`` to snapshot instead of
             ``model.state_dict()`` (implies the task form) (wrappers such as DDP and ``torch.compile``
             are removed first).
-        report_to: ``"auto"`` (Lightning's trainer from the model; the Hugging Face
-            Trainer, or its state, from ``OnTrainBegin.trainer``; a Trainer given with
-            :meth:`attach`), ``None``/``"none"``, a ``lightning.Trainer``, a
-            ``transformers.Trainer``/``TrainerState``, or a callable
-            ``report(metrics, epoch, step)``.
+        report_to: ``"auto"``: the loop's own metric reporting, the ``report_metrics``
+            its adapter publishes on ``OnTrainBegin.loop`` (Lightning's loggers and
+            ``callback_metrics``, the Hugging Face Trainer's ``log_history``, what a raw
+            loop passes to ``DDPAdapter(report_metrics=...)``; nothing when the loop offers
+            none); ``None``/``"none"``; or a callable ``report(metrics, epoch, step)``.
         ranks: ``"zero"`` to evaluate on rank 0 only (DDP replicas hold the same weights),
             ``"all"`` to evaluate on every rank.
         name: the service name (to install two of them).
@@ -320,8 +315,8 @@ class AsyncEval(Service):
         self.rt: SakuraRuntime | None = None
         self._pool: SnapshotPool | None = None
         self._pending: deque[_Pending] = deque()
-        self._lightning: Any = None
-        self._hf: Any = None
+        self._loop_reporter: Reporter | None = None
+        """The loop's ``report_metrics`` (from ``OnTrainBegin.loop``)."""
         self._payload: Any = None
         self.history: list[EvalResult] = []
         """Every delivered evaluation, in epoch order."""
@@ -368,12 +363,6 @@ class AsyncEval(Service):
                 self._pool = SnapshotPool(self.dispatcher.empty, max_sets=self.max_pending)
         return self
 
-    def attach(self, trainer: Any) -> AsyncEval:
-        """Report results to ``trainer`` (a Hugging Face Trainer or TrainerState, a
-        Lightning Trainer); same as ``report_to=trainer``."""
-        self.report_to = check_report_to(trainer)
-        return self
-
     # --- lifecycle --------------------------------------------------------------------------
 
     def setup(self, runtime: SakuraRuntime) -> None:
@@ -408,21 +397,13 @@ class AsyncEval(Service):
     # --- events ---------------------------------------------------------------------------
 
     def on_train_begin(self, event: Any) -> None:
-        self._remember_trainer(event.model)
-        # The Hugging Face adapter puts the Trainer (SakuraTrainer) or its TrainerState (the
-        # stock Trainer) on the event: "auto" reports there without attach().
-        framework = getattr(event, "trainer", None)
-        if framework is not None and self.report_to == "auto" and self._hf is None:
-            from sakura_async.reporting import is_hf_target
-
-            if is_hf_target(framework):
-                self._hf = framework
+        loop = getattr(event, "loop", None)
+        self._loop_reporter = None if loop is None else loop.report_metrics
 
     def on_epoch_end(self, event: Any) -> None:
         self._deliver(wait=False)
         if not self._active() or (event.epoch + 1) % self.every:
             return
-        self._remember_trainer(event.model)
         while len(self._pending) >= self.max_pending:
             self._deliver_one(wait=True)
         self._submit(event)
@@ -450,12 +431,6 @@ class AsyncEval(Service):
     def _active(self) -> bool:
         rt = self.rt
         return rt is not None and (self.ranks == "all" or rt.rank == 0)
-
-    def _remember_trainer(self, model: Any) -> None:
-        if model is not None and self.report_to == "auto":
-            trainer = lightning_trainer_of(model)
-            if trainer is not None:
-                self._lightning = trainer
 
     def _submit(self, event: Any) -> None:
         dispatcher, pool = self.dispatcher, self._pool
@@ -492,12 +467,7 @@ class AsyncEval(Service):
         self._pending.append(_Pending(event.epoch, event.step, future, snapshot, self._reporter()))
 
     def _reporter(self) -> Reporter | None:
-        if self.report_to == "auto":
-            trainer = self._lightning
-            if trainer is not None:
-                return lambda m, e, s: report_lightning(trainer, m, e, s)
-            return make_reporter(self._hf) if self._hf is not None else None
-        return make_reporter(self.report_to)
+        return make_reporter(self.report_to, self._loop_reporter)
 
     def _deliver(self, *, wait: bool, live: tuple[int, Any] = (-1, None)) -> None:
         while self._pending and (wait or self._pending[0].future.done()):

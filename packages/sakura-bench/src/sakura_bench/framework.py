@@ -62,6 +62,9 @@ class TrialContext:
     rank: int = 0
     world_size: int = 1
     workdir: Path = field(default_factory=lambda: Path(tempfile.gettempdir()))
+    output_dir: Path | None = None
+    """The trial's output directory (``--output``), which the framework's loop publishes to
+    services (``OnTrainBegin.loop.output_dir``): ``AsyncCheckpoint`` writes under it."""
     model: Any = None
     """Set by the framework: the trained model (for parameter counts)."""
     _eval_split: Split | None = None

@@ -260,8 +260,9 @@ def _run_sakura(
         [*config.services, *extra_services], workload=ctx.workload, payload=payload
     )
     ctx.eval_services = built.evaluating
-    if config.output_dir is not None:
-        give_output_dir(built.services, Path(config.output_dir))
+    if config.output_dir is not None:  # the loop publishes it (OnTrainBegin.loop.output_dir)
+        ctx.output_dir = Path(config.output_dir)
+        ctx.output_dir.mkdir(parents=True, exist_ok=True)
     rt = SakuraRuntime(rank=rank, world_size=world_size)
     for service in built.services:
         rt.install(service)
@@ -282,17 +283,6 @@ def _run_sakura(
                 f"{service.name}: evaluation of epoch {getattr(failure, 'epoch', '?')} failed: {getattr(failure, 'error', failure)!r}"
             )
     return errors
-
-
-def give_output_dir(services: Sequence[Any], directory: Path) -> None:
-    """Hand the run's output directory to every service that takes one: a service with a
-    ``use_output_dir(path)`` method (as ``AsyncCheckpoint`` has) writes its files there
-    unless the user gave it a directory of its own."""
-    for service in services:
-        use = getattr(service, "use_output_dir", None)
-        if callable(use):
-            directory.mkdir(parents=True, exist_ok=True)
-            use(directory)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

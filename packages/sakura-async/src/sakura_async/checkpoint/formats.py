@@ -7,8 +7,10 @@
   read back with the ``safetensors`` library.  The tree's structure and its non-tensor
   values are kept as JSON in the header's ``__metadata__`` (key ``sakura.tree``), so any
   tree of dicts, lists, tuples, tensors and plain values round-trips.
-* ``lightning`` — a Lightning checkpoint dict (what ``Trainer.save_checkpoint`` writes),
-  saved with ``torch.save`` so ``Trainer.fit(ckpt_path=...)`` resumes from it.
+* ``loop`` — the loop's own full checkpoint dict (``LoopContext.checkpoint_state``, in
+  whatever layout its framework uses), saved with ``torch.save``.
+* ``lightning`` — the same for a Lightning checkpoint dict (what ``Trainer.save_checkpoint``
+  writes), so ``Trainer.fit(ckpt_path=...)`` resumes from the file.
 
 Optional zstd compression (``compress=<level>``) wraps the stream; it is measured in
 ``benchmarks/checkpoint_stall.py`` before anyone makes it a default (trained fp32 weights
@@ -40,11 +42,12 @@ __all__ = [
     "write_state",
 ]
 
-FORMATS = ("torch", "safetensors", "lightning")
+FORMATS = ("torch", "safetensors", "loop", "lightning")
 
 _MAIN_FILE = {
     "torch": "state.pt",
     "safetensors": "state.safetensors",
+    "loop": "checkpoint.pt",
     "lightning": "checkpoint.ckpt",
 }
 

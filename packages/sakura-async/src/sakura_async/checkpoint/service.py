@@ -39,6 +39,7 @@ from sakura import (
     Service,
 )
 from sakura.events import Event
+from sakura.loop import LoopContext
 from sakura.options import OptionError, check_bool, check_choice, check_int, option_error
 from sakura.runtime import SakuraRuntime
 from sakura_async._model import unwrap_model
@@ -47,7 +48,6 @@ from sakura_async.checkpoint.store import remove_stale_temporaries, write_checkp
 from sakura_async.dispatch.base import Dispatcher, TaskFuture
 from sakura_async.dispatch.resolve import DispatcherSlot
 from sakura_async.errors import CheckpointWriteError
-from sakura_async.reporting import lightning_trainer_of, output_dir_of
 from sakura_async.snapshot import Snapshot, SnapshotPool
 
 __all__ = ["AsyncCheckpoint", "SaveTiming", "parse_every"]
@@ -157,12 +157,11 @@ class AsyncCheckpoint(Service):
 
     Args:
         dir: the checkpoint root directory (created if missing).  Required, except under
-            an integration that knows the run's output directory: then it defaults, at
-            training start, to ``<output dir>/<service name>`` (a Lightning Trainer's
-            ``default_root_dir``; a Hugging Face Trainer's ``args.output_dir`` with
-            ``SakuraTrainer`` or :meth:`attach`; sakura-bench's run directory through
-            :meth:`use_output_dir`).  With nothing known, the first save fails with an
-            error naming ``dir``.
+            a loop that publishes its output directory (``OnTrainBegin.loop.output_dir``):
+            then it defaults, at training start, to ``<output dir>/<service name>`` (a
+            Lightning Trainer's ``default_root_dir``, a Hugging Face Trainer's
+            ``args.output_dir``, ``DDPAdapter(output_dir=...)``).  With nothing known, the
+            first save fails with an error naming ``dir``.
         every: when to save: an int (every that many epochs), ``"N epochs"``,
             ``"N steps"``, a duration (``"30s"``, ``"10 min"``, ``"1h"``), or ``"best"`` (each
             time ``metric`` improves).
@@ -174,13 +173,16 @@ class AsyncCheckpoint(Service):
             corrupt ones are not counted, so the newest intact checkpoint is never deleted.
         state_provider: ``state_provider() -> state tree`` to save instead of the default
             (``{"model": model.state_dict(), "optimizer": optimizer.state_dict()}`` plus
-            the services' state under ``"sakura"``; for ``format="lightning"``, the
-            Trainer's own checkpoint dict).
+            the services' state under ``"sakura"``; for ``format="loop"`` and
+            ``"lightning"``, the loop's own checkpoint dict).
         dispatcher: a dispatcher object (yours to close), a name/spec such as ``"thread"``
             or ``"process"`` (the service closes it), or None for a ThreadDispatcher.
         format: ``"torch"`` (``torch.load(weights_only=True)``-loadable), ``"safetensors"``,
-            or ``"lightning"`` (a file ``lightning.Trainer.fit(ckpt_path=...)`` resumes
-            from; needs the LightningAdapter).
+            ``"loop"`` (the loop's own full checkpoint, ``OnTrainBegin.loop.checkpoint_state()``,
+            saved with ``torch.save`` as its framework would: any adapter that offers it),
+            or ``"lightning"`` (the same, checked to be Lightning's layout: a file
+            ``lightning.Trainer.fit(ckpt_path=...)`` resumes from; needs the
+            LightningAdapter).
         max_pending: writes allowed in flight; a save beyond that waits for the oldest.
         compress: a zstd level (1-22) to compress the state file, or None.
         overlap: copy the weights and optimizer state (which only the optimizer step
@@ -222,8 +224,9 @@ class AsyncCheckpoint(Service):
         name: str | None = None,
     ) -> None:
         self.dir: str | None = None if dir is None else _check_dir(dir)
-        """The checkpoint root (absolute), or None until an integration gives one."""
-        self._output_dir: str | None = None
+        """The checkpoint root (absolute), or None until the loop gives its output dir."""
+        self._loop: LoopContext | None = None
+        """What the loop offers (``OnTrainBegin.loop``): its output dir and checkpoint."""
         self._dir_error: BaseException | None = None
         self.unit, self.amount = parse_every(every)
         self.every = every
@@ -369,30 +372,6 @@ class AsyncCheckpoint(Service):
 
     # --- where checkpoints go ---------------------------------------------------------------
 
-    def use_output_dir(self, path: str | os.PathLike[str]) -> AsyncCheckpoint:
-        """Write under ``<path>/<service name>`` unless ``dir`` was given: for a program
-        that knows the run's output directory (sakura-bench passes its run directory).
-        Call it before training starts.  Returns the service."""
-        self._output_dir = _check_dir(path, option="output dir")
-        if self.dir is None:
-            self._use(os.path.join(self._output_dir, self.name))
-        return self
-
-    def attach(self, trainer: Any) -> AsyncCheckpoint:
-        """Default ``dir`` to ``<trainer's output directory>/<service name>``: a Hugging
-        Face Trainer's ``args.output_dir`` or a Lightning Trainer's ``default_root_dir``
-        (unless ``dir`` was given).  Returns the service."""
-        out = output_dir_of(trainer)
-        if out is None:
-            raise option_error(
-                "trainer",
-                trainer,
-                "a transformers.Trainer or lightning.Trainer (their output directory "
-                "becomes the default dir)",
-                owner=f"{_OWNER}.attach",
-            )
-        return self.use_output_dir(out)
-
     def _use(self, directory: str) -> None:
         self.dir = directory
         if self.rt is not None and self._on_rank():
@@ -416,12 +395,12 @@ class AsyncCheckpoint(Service):
             logger.info("sakura AsyncCheckpoint: removed %s left by an interrupted write", stale)
 
     def _resolve_dir(self, event: Any) -> None:
-        """At training start: the run's output directory when ``dir`` was not given."""
+        """At training start: the loop's output directory when ``dir`` was not given."""
         if self.dir is not None:
             return
-        trainer = getattr(event, "trainer", None)
-        out = output_dir_of(trainer) or output_dir_of(lightning_trainer_of(event.model))
-        if out is None:
+        loop = self._loop
+        out = None if loop is None else loop.output_dir
+        if not out:
             return
         try:
             self._use(os.path.join(os.path.abspath(out), self.name))
@@ -439,8 +418,9 @@ class AsyncCheckpoint(Service):
                 "dir",
                 None,
                 "a directory: pass AsyncCheckpoint(dir=...); it defaults to the run's output "
-                "directory only under a Lightning Trainer, a Hugging Face SakuraTrainer (or a "
-                "Trainer given with attach(trainer)), or a program calling use_output_dir()",
+                "directory only under a loop whose adapter publishes one "
+                "(OnTrainBegin.loop.output_dir: LightningAdapter, HFAdapter, "
+                "DDPAdapter(output_dir=...))",
                 owner=_OWNER,
             )
             self._fail(self._dir_error, step, epoch)
@@ -450,6 +430,9 @@ class AsyncCheckpoint(Service):
 
     def _on_train_begin(self, event: Any) -> None:
         self._remember(event)
+        loop = getattr(event, "loop", None)
+        if loop is not None:
+            self._loop = loop
         if self._on_rank():
             self._resolve_dir(event)
         self._last_step = event.step
@@ -592,19 +575,38 @@ class AsyncCheckpoint(Service):
             )
         return self._pool
 
+    def _loop_checkpoint(self) -> Any:
+        """The loop's own full checkpoint (``format="loop"`` or ``"lightning"``), built on
+        the training thread (it reads live state) by the adapter's ``checkpoint_state``."""
+        loop = self._loop
+        make = None if loop is None else loop.checkpoint_state
+        wanted = "Lightning's (use LightningAdapter)" if self.format == "lightning" else "its own"
+        if loop is None or make is None:
+            where = (
+                "no adapter published a loop context (OnTrainBegin.loop)"
+                if loop is None
+                else f"the {loop.framework!r} loop offers none (its checkpoint_state)"
+            )
+            raise ValueError(
+                f"format={self.format!r} saves the loop's own checkpoint, but {where}: run "
+                f"under an adapter that offers {wanted}, pass a state_provider, or use "
+                f"format='torch'"
+            )
+        if self.format == "lightning" and loop.checkpoint_format != "lightning":
+            raise ValueError(
+                f"format='lightning' needs a Lightning checkpoint, but the "
+                f"{loop.framework!r} loop's checkpoint is in the "
+                f"{loop.checkpoint_format!r} layout: use format='loop' for it, or run "
+                f"under LightningAdapter"
+            )
+        return make()
+
     def _state(self) -> Any:
         if self.state_provider is not None:
             return self.state_provider()
         model = self._model
-        if self.format == "lightning":
-            trainer = lightning_trainer_of(model)
-            if trainer is None:
-                raise ValueError(
-                    "format='lightning' needs a lightning.Trainer: use LightningAdapter (the "
-                    "events then carry the LightningModule), or pass a state_provider"
-                )
-            # What Trainer.save_checkpoint writes, built on this thread (it reads live state).
-            return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        if self.format in ("loop", "lightning"):
+            return self._loop_checkpoint()
         if model is None:
             raise ValueError(
                 "AsyncCheckpoint has seen no model yet (no OnTrainBegin/OnEpochEnd with a "

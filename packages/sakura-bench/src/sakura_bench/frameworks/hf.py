@@ -64,7 +64,7 @@ class HFTrainerFramework(Framework):
         optimizer = w.make_optimizer(model)
         has_metrics = type(w).hf_metrics is not Workload.hf_metrics
         args = transformers.TrainingArguments(
-            output_dir=str(ctx.workdir / "hf"),
+            output_dir=str(ctx.output_dir or ctx.workdir / "hf"),
             num_train_epochs=ctx.epochs,
             per_device_train_batch_size=w.batch_size,
             per_device_eval_batch_size=w.eval_batch_size,

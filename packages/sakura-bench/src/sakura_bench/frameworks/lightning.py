@@ -60,7 +60,7 @@ class LightningFramework(Framework):
             use_distributed_sampler=False,
             limit_val_batches=None if evals is not None else 0,
             callbacks=callbacks,
-            default_root_dir=str(ctx.workdir),
+            default_root_dir=str(ctx.output_dir or ctx.workdir),
         )
         rec.train_begin()
         trainer.fit(module, train_dataloaders=train, val_dataloaders=evals)

@@ -85,7 +85,7 @@ def _sakura(ctx: TrialContext, model: Any, optimizer: Any, train: Any, evals: An
     if rt is None:
         raise ValueError("the sakura loop needs ctx.runtime")
     clip = w.grad_clip
-    adapter = DDPAdapter(rt, rank=ctx.rank, world_size=ctx.world_size)
+    adapter = DDPAdapter(rt, rank=ctx.rank, world_size=ctx.world_size, output_dir=ctx.output_dir)
     model, optimizer = rt.prepare(model, optimizer)
     ctx.model = model
     adapter.on_train_begin(model, optimizer, train)
