@@ -23,10 +23,10 @@ built it (the benchmark harness, with its workload's evaluation) must call
 an error that says so.  ``payload=package.module:name`` names the payload; a callable is
 called with no arguments to build it.  ``pass_task=true`` gives ``fn`` an ``EvalTask``
 (the epoch's weights) instead of the payload.  ``async_checkpoint`` needs ``dir=``, unless
-the program that built it gives the run's output directory
-(``service.use_output_dir(path)``, as sakura-bench does) or training runs under a
-Lightning Trainer or ``SakuraTrainer`` (their output directory); otherwise the first save
-fails with an error naming ``dir``.
+the loop publishes its output directory (``OnTrainBegin.loop.output_dir``: a Lightning
+Trainer's ``default_root_dir``, a Hugging Face Trainer's ``output_dir``,
+``DDPAdapter(output_dir=...)``); otherwise the first save fails with an error naming
+``dir``.
 
 Dispatchers::
 

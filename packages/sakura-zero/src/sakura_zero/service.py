@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 import torch
 
 from sakura import Service
+from sakura.loop import LoopContext
 from sakura_zero.comm import resolve_group
 from sakura_zero.grads import DDPOwnerHook
 from sakura_zero.partition import PARTITION_STRATEGIES
@@ -47,23 +48,17 @@ def _positive(option: str, value: Any) -> float:
     return float(value)
 
 
-def _trainer_of(model: Any) -> Any:
-    """The Lightning Trainer a LightningModule is attached to, else None."""
-    try:
-        return model.trainer
-    except Exception:  # not attached to a Trainer, or not a LightningModule
-        return None
-
-
-def _find_ddp(model: Any) -> Any:
-    """The DistributedDataParallel module driving ``model``: the model itself, or, for a
-    LightningModule under a DDP strategy, ``trainer.model`` (Lightning's public
-    "possibly wrapped" model)."""
+def _find_ddp(model: Any, loop: LoopContext | None = None) -> Any:
+    """The DistributedDataParallel module driving ``model``: the model itself, or the
+    module the loop runs forward on (``LoopContext.wrapped_model``: Lightning's DDP
+    strategy wraps the LightningModule after the services saw it)."""
     from torch.nn.parallel import DistributedDataParallel
 
     if isinstance(model, DistributedDataParallel):
         return model
-    wrapped = getattr(_trainer_of(model), "model", None)
+    wrapped = None
+    if loop is not None and loop.wrapped_model is not None:
+        wrapped = loop.wrapped_model()
     return wrapped if isinstance(wrapped, DistributedDataParallel) else None
 
 
@@ -397,10 +392,12 @@ class ZeRO2(_ZeRO):
         super().on_train_begin(event)
         if event.model is None:
             return
-        ddp = _find_ddp(event.model)
+        ddp = _find_ddp(event.model, event.loop)
         if ddp is not None:
             self._attach_ddp(ddp)
-        clip = getattr(_trainer_of(event.model), "gradient_clip_val", None)
+        # Lightning's Trainer-level clipping, read from the trainer its adapter puts on the
+        # event (a plain attribute read; LoopContext has no clipping field yet).
+        clip = getattr(event.trainer, "gradient_clip_val", None)
         if clip:
             # Lightning clips inside the closure, over every parameter's gradient; under
             # ZeRO-2 a rank holds only its own, so the norm would be wrong on every rank.
