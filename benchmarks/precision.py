@@ -330,7 +330,7 @@ def policy_output_bytes(config: dict[str, int], ops: frozenset[Any]) -> int:
 
 def bench_checkpointing(config: dict[str, int], trials: int, steps: int) -> dict[str, Any]:
     from sakura_precision import ActivationCheckpoint
-    from sakura_precision.checkpointing import POLICIES
+    from sakura_precision.activation_checkpoint import POLICIES
 
     variants = {
         "none": lambda: Trainer(config, []),
