@@ -33,7 +33,7 @@ def sakura_register_services(register: Register) -> None:
         "async_checkpoint",
         "sakura_async.checkpoint.service:AsyncCheckpoint",
         parse=_async_checkpoint,
-        description="atomic checkpoints written on a dispatcher (torch, safetensors, lightning)",
+        description="atomic checkpoints written on a dispatcher (torch, safetensors, the loop's own, lightning)",
     )
 
 

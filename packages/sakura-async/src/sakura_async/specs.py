@@ -6,7 +6,7 @@ Services::
               [,pass_task=true|false][,every=N][,max_pending=N][,ranks=zero|all]
               [,<dispatcher option>=...]
     async_checkpoint[:DISPATCHER][,dir=PATH][,every=N|"N steps"|30s|best][,metric=NAME]
-              [,mode=min|max][,keep=N|none][,format=torch|safetensors|lightning]
+              [,mode=min|max][,keep=N|none][,format=torch|safetensors|loop|lightning]
               [,compress=LEVEL][,max_pending=N][,<dispatcher option>=...]
 
 ``DISPATCHER`` is a registered dispatcher name: sakura-async's own (``inthread``,
