@@ -128,7 +128,7 @@ def test_best_from_async_eval_saves_the_evaluated_epochs_weights(
         weights = weights_after_each_epoch(world, rt, 4)
     found = find_checkpoints(tmp_path, verify=True)
     assert [(c.epoch, c.metric_value) for c in found] == [(0, 0.5), (1, 0.2), (3, 0.1)]
-    from sakura_async.checkpoint.formats import read_state
+    from sakura_async.checkpoint.encoding import read_state
 
     for ckpt in found:
         assert same(read_state(ckpt.file, "torch")["model"], weights[ckpt.epoch])

@@ -23,7 +23,7 @@ from sakura.options import OptionError
 from sakura.testing import RecordingService
 from sakura_async import AsyncCheckpoint, load_latest
 from sakura_async.checkpoint import store
-from sakura_async.checkpoint.formats import write_state
+from sakura_async.checkpoint.encoding import write_state
 from sakura_async.errors import CheckpointWriteError
 
 

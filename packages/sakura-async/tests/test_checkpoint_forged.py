@@ -23,7 +23,7 @@ from safetensors.torch import save as st_save
 
 from sakura_async import load_latest
 from sakura_async.checkpoint import find_checkpoints, load_best, write_checkpoint
-from sakura_async.checkpoint.formats import decode_tree, tree_from_json, tree_to_json
+from sakura_async.checkpoint.encoding import decode_tree, tree_from_json, tree_to_json
 from sakura_async.checkpoint.store import manifest_digest
 from sakura_async.errors import CheckpointError
 

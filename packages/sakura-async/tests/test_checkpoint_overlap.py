@@ -22,7 +22,7 @@ from sakura import (
 from sakura.testing import RecordingService
 from sakura_async import AsyncCheckpoint
 from sakura_async.checkpoint import find_checkpoints
-from sakura_async.checkpoint.formats import read_state
+from sakura_async.checkpoint.encoding import read_state
 from sakura_async.snapshot import Snapshot
 
 

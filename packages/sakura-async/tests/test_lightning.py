@@ -183,7 +183,7 @@ def test_async_checkpoint_torch_format_under_lightning(tmp_path: Path, overlap: 
         )
     assert [c.step for c in find_checkpoints(tmp_path / "ckpt")] == [2, 4, 6]
     assert ckpt.errors == []
-    from sakura_async.checkpoint.formats import read_state
+    from sakura_async.checkpoint.encoding import read_state
 
     for c in find_checkpoints(tmp_path / "ckpt", verify=True):
         state = read_state(c.file, "torch")

@@ -8,6 +8,12 @@ training thread next looks, and :meth:`AsyncCheckpoint.drain` (run when the runt
 normally or after Ctrl+C) waits for every write and raises
 :class:`~sakura_async.errors.CheckpointWriteError` if any failed, so a lost checkpoint is
 never silent.
+
+Long file: one service class whose event handlers share one piece of state — the save
+schedule, the copy and the writes in flight, the best metric so far — and the order in
+which they touch it is the crash-safety argument. The parts without that state live beside
+it: ``schedule`` (the ``every=`` option), ``pending`` (saves in flight), ``encoding`` (file
+formats), ``store`` (the directory on disk).
 """
 
 from __future__ import annotations
@@ -17,14 +23,12 @@ import contextlib
 import logging
 import math
 import os
-import re
 import tempfile
 import time
 import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from sakura import (
@@ -43,9 +47,16 @@ from sakura.loop import LoopContext
 from sakura.options import OptionError, check_bool, check_choice, check_int, option_error
 from sakura.runtime import SakuraRuntime
 from sakura_async._model import unwrap_model
-from sakura_async.checkpoint.formats import FORMATS
+from sakura_async.checkpoint.encoding import FORMATS
+from sakura_async.checkpoint.pending import (
+    PendingCopy,
+    PendingWrite,
+    SaveTiming,
+    current_cuda_stream,
+)
+from sakura_async.checkpoint.schedule import parse_every
 from sakura_async.checkpoint.store import remove_stale_temporaries, write_checkpoint
-from sakura_async.dispatch.base import Dispatcher, TaskFuture
+from sakura_async.dispatch.base import Dispatcher
 from sakura_async.dispatch.resolve import DispatcherSlot
 from sakura_async.errors import CheckpointWriteError
 from sakura_async.snapshot import Snapshot, SnapshotPool
@@ -55,46 +66,6 @@ __all__ = ["AsyncCheckpoint", "SaveTiming", "parse_every"]
 _OWNER = "AsyncCheckpoint"
 
 logger = logging.getLogger("sakura.async")
-
-_EVERY = re.compile(
-    r"\s*(?P<n>\d+(?:\.\d+)?)?\s*(?P<unit>epochs?|steps?|s|secs?|seconds?|m|mins?|minutes?|h|hours?)\s*\Z"
-)
-_SECONDS = {"s": 1, "sec": 1, "secs": 1, "second": 1, "seconds": 1, "m": 60, "min": 60}
-_SECONDS.update({"mins": 60, "minute": 60, "minutes": 60, "h": 3600, "hour": 3600, "hours": 3600})
-_EVERY_HELP = (
-    "an int (epochs), 'best', or a string such as '2 epochs', '500 steps', '30s', '10 min', '1h'"
-)
-
-
-def parse_every(every: Any) -> tuple[str, float]:
-    """``every`` -> ``(unit, amount)`` with unit ``"epochs"``, ``"steps"``, ``"seconds"``
-    or ``"best"``."""
-
-    def wrong(accepted: str = _EVERY_HELP) -> OptionError:
-        return option_error("every", every, accepted, owner=_OWNER)
-
-    if isinstance(every, bool):
-        raise wrong()
-    if isinstance(every, int):
-        if every < 1:
-            raise wrong(_EVERY_HELP + " (counts >= 1)")
-        return "epochs", every
-    if isinstance(every, str):
-        if every.strip() == "best":
-            return "best", 0
-        match = _EVERY.match(every)
-        if match:
-            amount = float(match.group("n") or 1)
-            unit = match.group("unit")
-            if unit.startswith("epoch") or unit.startswith("step"):
-                if amount != int(amount) or amount < 1:
-                    raise wrong("a whole number >= 1 of epochs or steps")
-                return ("epochs" if unit.startswith("epoch") else "steps"), int(amount)
-            seconds = amount * _SECONDS[unit]
-            if seconds <= 0:
-                raise wrong("a duration > 0")
-            return "seconds", seconds
-    raise wrong()
 
 
 def _check_dir(value: Any, *, option: str = "dir") -> str:
@@ -107,49 +78,6 @@ def _describe(exc: BaseException) -> str:
     """``Type: message`` and the notes the error collected (the option and path)."""
     notes = getattr(exc, "__notes__", None) or []
     return "; ".join([f"{type(exc).__name__}: {exc}", *map(str, notes)])
-
-
-@dataclass
-class SaveTiming:
-    """How long one save blocked the training thread, by cause (seconds)."""
-
-    step: int
-    wait_s: float = 0.0
-    """Waiting for a free write slot (the previous writes were still running)."""
-    copy_s: float = 0.0
-    """Copying the snapshot on the training thread (and submitting the write)."""
-    barrier_s: float = 0.0
-    """``overlap=True``: waiting at the optimizer step for the background copy."""
-
-    @property
-    def blocked_s(self) -> float:
-        return self.wait_s + self.copy_s + self.barrier_s
-
-
-@dataclass
-class _Copy:
-    future: Future[Any]
-    snapshot: Snapshot
-    step: int
-    epoch: int
-    metric: float | None
-    timing: SaveTiming
-
-
-def _current_cuda_stream(snapshot: Snapshot) -> Any:
-    if any(src.is_cuda for _, src in snapshot.deferred):
-        import torch
-
-        return torch.cuda.current_stream()
-    return None
-
-
-@dataclass
-class _Write:
-    future: TaskFuture
-    snapshot: Snapshot
-    step: int
-    epoch: int
 
 
 class AsyncCheckpoint(Service):
@@ -271,7 +199,7 @@ class AsyncCheckpoint(Service):
             self.name = name
         self.rt: SakuraRuntime | None = None
         self._pool: SnapshotPool | None = None
-        self._pending: deque[_Write] = deque()
+        self._pending: deque[PendingWrite] = deque()
         self._held: OrderedDict[int, tuple[int, Snapshot]] = OrderedDict()
         self._hold = 0
         self._model: Any = None
@@ -290,7 +218,7 @@ class AsyncCheckpoint(Service):
         self.timings: list[SaveTiming] = []
         """How long each save blocked the training thread, by cause."""
         self._copier: ThreadPoolExecutor | None = None
-        self._copying: _Copy | None = None
+        self._copying: PendingCopy | None = None
         # Subscribe only to the events this configuration needs: no per-step event is built
         # for a service that checkpoints per epoch.
         handlers: dict[type[Event], Callable[[Any], None]] = {
@@ -650,9 +578,9 @@ class AsyncCheckpoint(Service):
         self.timings.append(timing)
         epoch = event.epoch if epoch is None else epoch
         if snapshot.deferred and self._copier is not None:
-            stream = _current_cuda_stream(snapshot)
+            stream = current_cuda_stream(snapshot)
             future = self._copier.submit(snapshot.finish, stream)
-            self._copying = _Copy(future, snapshot, event.step, epoch, metric, timing)
+            self._copying = PendingCopy(future, snapshot, event.step, epoch, metric, timing)
             self._last_step = event.step
             self._last_time = time.monotonic()
             timing.copy_s = time.perf_counter() - t1
@@ -723,7 +651,7 @@ class AsyncCheckpoint(Service):
         except BaseException:
             snapshot.release()
             raise
-        self._pending.append(_Write(future, snapshot, step, epoch))
+        self._pending.append(PendingWrite(future, snapshot, step, epoch))
         self._last_step = step
         self._last_time = time.monotonic()
 

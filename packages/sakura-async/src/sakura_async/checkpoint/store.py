@@ -52,7 +52,7 @@ from typing import Any
 from sakura.errors import add_note
 from sakura.fileio import atomic_directory, fsync_dir
 from sakura.options import check_choice
-from sakura_async.checkpoint.formats import FORMATS, main_file, read_state, write_state
+from sakura_async.checkpoint.encoding import FORMATS, main_file, read_state, write_state
 from sakura_async.errors import CheckpointError
 
 __all__ = [
