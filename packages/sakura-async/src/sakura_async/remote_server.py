@@ -22,6 +22,10 @@ reported in one warning line per ``report_interval`` seconds with their counts (
 does not flood the log).  After authentication a session thread takes the client's
 messages (bodies of at most ``--max-frame-bytes``, each with a MAC over ``tcp://``) while
 a heartbeat tells the client the worker is alive, also while a long task runs.
+
+Long file: the pre-authentication state machine (accept, admit, evict, progress, the
+deadline tick) and the caps it enforces are one security argument, reviewed in one place;
+the wire format and the handshake itself live in :mod:`sakura_async.wire`.
 """
 
 from __future__ import annotations
