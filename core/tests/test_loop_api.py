@@ -21,6 +21,7 @@ def test_loop_context_is_frozen_and_everything_is_optional() -> None:
     ctx = LoopContext()
     assert (ctx.framework, ctx.output_dir, ctx.checkpoint_state) == ("raw", None, None)
     assert ctx.report_metrics is None and ctx.wrapped_model is None
+    assert ctx.gradient_clipping is None
     with pytest.raises(dataclasses.FrozenInstanceError):
         ctx.output_dir = "x"  # type: ignore[misc]
 

@@ -54,3 +54,9 @@ class LoopContext:
     """The module the framework actually runs forward on (a ``DistributedDataParallel`` or
     an FSDP-sharded module around the user's model), when it differs from the events'
     ``model``.  Called when needed: frameworks may wrap the model after training begins."""
+
+    gradient_clipping: str | None = None
+    """Set when the framework clips gradients itself, outside ``rt.clip_grad_norm_``: the
+    setting as its user wrote it (``"Trainer(gradient_clip_val=1.0)"``), for messages.  A
+    service that cannot support clipping it does not see (ZeRO-2 shards the gradients, so a
+    norm over "all" of them would be wrong) refuses it, naming this text."""

@@ -118,6 +118,7 @@ def test_lightning_publishes_its_root_dir_checkpoint_and_loggers(tmp_path: Path)
             enable_model_summary=False,
             enable_checkpointing=False,
             default_root_dir=str(tmp_path / "root"),
+            gradient_clip_val=0.5,
             accelerator="cpu",
             devices=1,
             callbacks=[LightningAdapter(rt)],
@@ -125,6 +126,7 @@ def test_lightning_publishes_its_root_dir_checkpoint_and_loggers(tmp_path: Path)
         trainer.fit(Module(), DataLoader(data, batch_size=4))
     loop = reader.loop
     assert loop is not None and loop.framework == "lightning"
+    assert loop.gradient_clipping == "Trainer(gradient_clip_val=0.5)"
     assert loop.output_dir == str(tmp_path / "root")
     assert loop.checkpoint_format == "lightning"
     # Lightning's own checkpoint dict, as Trainer.save_checkpoint writes it.

@@ -395,15 +395,15 @@ class ZeRO2(_ZeRO):
         ddp = _find_ddp(event.model, event.loop)
         if ddp is not None:
             self._attach_ddp(ddp)
-        # Lightning's Trainer-level clipping, read from the trainer its adapter puts on the
-        # event (a plain attribute read; LoopContext has no clipping field yet).
-        clip = getattr(event.trainer, "gradient_clip_val", None)
+        # Clipping the loop does itself, outside rt.clip_grad_norm_ (Lightning's
+        # Trainer-level clipping, as its adapter publishes it).
+        clip = event.loop.gradient_clipping if event.loop is not None else None
         if clip:
-            # Lightning clips inside the closure, over every parameter's gradient; under
-            # ZeRO-2 a rank holds only its own, so the norm would be wrong on every rank.
-            # An event handler's exception is only logged, so the step refuses instead.
+            # The loop clips over every parameter's gradient; under ZeRO-2 a rank holds
+            # only its own, so the norm would be wrong on every rank.  An event handler's
+            # exception is only logged, so the step refuses instead.
             message = (
-                f"{self._who}: Trainer(gradient_clip_val={clip!r}) clips by a norm over all "
+                f"{self._who}: {clip} clips by a norm over all "
                 f"gradients, but under ZeRO2 each rank holds only the gradients it owns, so "
                 f"that norm would be wrong; use ZeRO1, or clip in the LightningModule with "
                 f"zero.clip_grad_norm_(optimizer, max_norm) (in on_before_optimizer_step)"

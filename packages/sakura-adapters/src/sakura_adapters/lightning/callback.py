@@ -84,6 +84,12 @@ def loop_context(trainer: pl.Trainer) -> LoopContext:
         report_metrics=report,
         # Lightning's "possibly wrapped" model: a DistributedDataParallel under DDP.
         wrapped_model=lambda: trainer.model,
+        # Lightning clips inside its optimizer closure, outside the runtime.
+        gradient_clipping=(
+            f"Trainer(gradient_clip_val={trainer.gradient_clip_val!r})"
+            if trainer.gradient_clip_val
+            else None
+        ),
     )
 
 
