@@ -3,9 +3,8 @@ against sakura-async's public contract only: it is discovered, AsyncEval and
 AsyncCheckpoint run through it by name in a real training loop, and timeouts, closing
 without waiting and failing tasks behave as the contract says.
 
-Every test here turns DeprecationWarning into an error: the example must not need any of
-sakura-async's deprecated private names (``future._finish``, ``_mark_submitted``,
-``Dispatcher._submit``/``_close``).
+Every test here turns DeprecationWarning into an error: the example uses the public
+contract only.
 """
 
 from __future__ import annotations

@@ -963,14 +963,10 @@ def test_strict_resume_rejects_a_changed_service_list(
 # --- bad input ----------------------------------------------------------------------------------
 
 
-def test_the_old_exception_name_still_works_with_a_deprecation_warning():
+def test_the_never_released_exception_name_is_gone():
     import sakura_adapters.hf as hf
 
-    with pytest.warns(
-        DeprecationWarning, match=r"SakuraTrainerRequired is deprecated.*SakuraTrainerRequiredError"
-    ):
-        old = hf.SakuraTrainerRequired
-    assert old is SakuraTrainerRequiredError
+    assert not hasattr(hf, "SakuraTrainerRequired")
     with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
         hf.NoSuchName  # noqa: B018
 

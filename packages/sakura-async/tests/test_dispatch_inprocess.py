@@ -205,26 +205,21 @@ def test_the_public_extension_contract() -> None:
     assert isinstance(g.exception(timeout=0), KeyError) and g.timings.run_s == 0.5
 
 
-def test_the_private_names_of_0_1_still_work_and_warn() -> None:
+def test_the_never_released_private_names_are_gone() -> None:
+    """0.1.0 is the first release: no stand-ins for the private names of development."""
     f = TaskFuture("custom")
-    with pytest.warns(DeprecationWarning, match="use mark_submitted"):
-        f._mark_submitted()
-    with pytest.warns(DeprecationWarning, match="use settle"):
-        f._finish(result=1)
-    assert f.result(0) == 1
-    with pytest.warns(
-        DeprecationWarning, match="DispatcherClosed is deprecated.*DispatcherClosedError"
-    ):
-        from sakura_async.errors import DispatcherClosed
-    assert DispatcherClosed is DispatcherClosedError
+    assert not hasattr(f, "_mark_submitted") and not hasattr(f, "_finish")
+    with pytest.raises(ImportError):
+        from sakura_async.errors import DispatcherClosed  # noqa: F401
+    with pytest.raises(ImportError):
+        from sakura_async.errors import WorkerCrashed  # noqa: F401
 
-    with pytest.warns(DeprecationWarning, match="rename it to start_task"):
+    class Old(Dispatcher):
+        def _submit(self, future: Any, fn: Any, args: Any, kwargs: Any) -> None:
+            future.settle(result=fn(*args, **kwargs))
 
-        class Old(Dispatcher):
-            def _submit(self, future: Any, fn: Any, args: Any, kwargs: Any) -> None:
-                future.settle(result=fn(*args, **kwargs))
-
-    assert Old().submit(add, 1, b=1).result(timeout=10) == 2
+    with pytest.raises(NotImplementedError, match="Old must implement start_task"):
+        Old().submit(add, 1, b=1)
 
 
 def test_resolve_marks_built_dispatchers_owned_by_the_service() -> None:

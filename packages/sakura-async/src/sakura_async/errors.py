@@ -1,13 +1,7 @@
-"""Exceptions of sakura-async.  Each message says what failed and what to do about it.
-
-``DispatcherClosed`` and ``WorkerCrashed`` are the names of 0.1; they still work (same
-classes) and warn with a DeprecationWarning: use ``DispatcherClosedError`` and
-``WorkerCrashedError``.
-"""
+"""Exceptions of sakura-async.  Each message says what failed and what to do about it."""
 
 from __future__ import annotations
 
-from sakura.deprecation import deprecated_aliases
 from sakura.errors import SakuraError
 
 __all__ = [
@@ -88,11 +82,3 @@ class CheckpointError(SakuraError, RuntimeError):
 class CheckpointWriteError(CheckpointError):
     """One or more asynchronous checkpoint writes failed; raised when the runtime drains
     so that a lost checkpoint never goes unnoticed."""
-
-
-# Renamed (exceptions end in Error); the old names warn until 0.3.
-__getattr__ = deprecated_aliases(
-    __name__,
-    {"DispatcherClosed": DispatcherClosedError, "WorkerCrashed": WorkerCrashedError},
-    removed_in="0.3",
-)

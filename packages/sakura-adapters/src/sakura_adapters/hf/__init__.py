@@ -56,7 +56,6 @@ cannot honour).
 
 from __future__ import annotations
 
-from sakura.deprecation import deprecated_aliases
 from sakura_adapters.hf.callback import HFAdapter
 from sakura_adapters.hf.checks import SakuraTrainerRequiredError
 from sakura_adapters.hf.state import STATE_FILE, state_file_name
@@ -69,8 +68,3 @@ __all__ = [
     "SakuraTrainerRequiredError",
     "state_file_name",
 ]
-
-# Renamed (exceptions end in Error); the old name warns until 0.2.
-__getattr__ = deprecated_aliases(
-    __name__, {"SakuraTrainerRequired": SakuraTrainerRequiredError}, removed_in="0.2"
-)

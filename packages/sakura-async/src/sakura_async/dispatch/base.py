@@ -44,7 +44,6 @@ import concurrent.futures
 import itertools
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -177,29 +176,6 @@ class TaskFuture(concurrent.futures.Future):  # type: ignore[type-arg]
         elif run_s is not None and self._t_submitted is not None:
             t.queued_s = max(0.0, now - self._t_submitted - run_s)
         t.total_s = now - self._t0
-
-    # Deprecated spellings of 0.1 (private names third-party dispatchers had to use).
-
-    def _mark_submitted(self) -> None:
-        warnings.warn(
-            "TaskFuture._mark_submitted() is deprecated; use mark_submitted()",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        self.mark_submitted()
-
-    def _finish(
-        self,
-        *,
-        result: Any = None,
-        error: BaseException | None = None,
-        run_s: float | None = None,
-        started: float | None = None,
-    ) -> None:
-        warnings.warn(
-            "TaskFuture._finish() is deprecated; use settle()", DeprecationWarning, stacklevel=2
-        )
-        self.settle(result=result, error=error, run_s=run_s, started=started)
 
     def _finish_outcome(self, body: Any, where: str) -> None:
         """Complete the future from a sakura worker's encoded RESULT body (see
@@ -453,18 +429,12 @@ class Dispatcher:
         ``future.settle(error=...)`` when the outcome is known (from any thread).  An
         exception raised here fails the future and propagates to ``submit``'s caller.
         """
-        legacy = getattr(self, "_submit", None)
-        if legacy is None:
-            raise NotImplementedError(f"{type(self).__name__} must implement start_task()")
-        legacy(future, fn, args, kwargs)
+        raise NotImplementedError(f"{type(self).__name__} must implement start_task()")
 
     def close_resources(self, wait: bool) -> None:
         """Release threads, processes, connections (called once by :meth:`close`, after
         draining when ``wait``).  With ``wait=False`` return promptly: kill rather than
-        join."""
-        legacy = getattr(self, "_close", None)
-        if legacy is not None:
-            legacy(wait)
+        join.  Default: nothing to release."""
 
     def handle_timeout(self, future: TaskFuture) -> None:
         """Called after ``future`` failed with TaskTimeoutError, to free what still runs it
@@ -475,20 +445,7 @@ class Dispatcher:
         if self._closed:
             raise DispatcherClosedError(f"{self!r} is closed; create a new dispatcher")
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        for old, new in (("_submit", "start_task"), ("_close", "close_resources")):
-            if old in cls.__dict__ and new not in cls.__dict__:
-                warnings.warn(
-                    f"{cls.__qualname__} overrides Dispatcher.{old}(), the private hook of "
-                    f"sakura-async 0.1; rename it to {new}() (the public contract)",
-                    DeprecationWarning,
-                    stacklevel=2,
-                )
-
     # --- internals --------------------------------------------------------------------------
-
-    _check_open = check_open
 
     def _expire(self, future: TaskFuture) -> None:
         error = TaskTimeoutError(
