@@ -5,6 +5,8 @@
   fallback; :mod:`sakura_torch.native_cuda` does the same for ``.cu`` sources with ``nvcc``.
 * :mod:`sakura_torch.blocks` — the repeated block stack of a model (transformer layers), the
   one meaning of a service's ``blocks=`` option.
+* :mod:`sakura_torch.disk` — :class:`~sakura_torch.disk.TensorFileStore`, tensors in
+  memory-mapped files under a private folder (the disk tier of frozen weights).
 
 The core (``sakura``) is the event bus and the plugin system and needs only pluggy; these
 helpers need torch, so they live in this distribution, which the packages using them
