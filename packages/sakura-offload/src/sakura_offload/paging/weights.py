@@ -1,18 +1,30 @@
-"""Frozen-weight paging: the frozen parameters of a model's blocks live in host RAM and are
-copied to the compute device only while their block runs, forward and backward, with the
-next blocks prefetched (:class:`WeightPaging`).  Each block whose weights it streams
-carries the :data:`sakura.marks.WEIGHTS_STREAMED` mark until :meth:`WeightPaging.remove`.
+"""Frozen-weight paging: the frozen tensors of a model's blocks (frozen parameters and
+buffers: a quantized base's codes and scales too) live in host RAM, or in memory-mapped
+files under ``disk_offload``, and are copied to the compute device only while their block
+runs, forward and backward, with the next blocks prefetched (:class:`WeightPaging`).  Each
+block whose weights it streams carries the :data:`sakura.marks.WEIGHTS_STREAMED` mark until
+:meth:`WeightPaging.remove`.  Which tensors are paged, and where they live:
+:mod:`.weight_store`.
 
 How a block's weights come and go, and how it composes with activation paging and
 checkpointing: ``docs/offload.md``, "Weight paging: design".
+
+Long file: one per-block state machine (materialise, install, release, prefetch, the
+forward, backward and saved-tensor hooks, tokens, the written-tensor check) whose invariant
+-- at most ``prefetch + 1`` blocks live, every token resolves to an installed copy -- is
+argued over all of its parts; the rule for which tensors are paged and where they live
+between uses is :mod:`.weight_store`.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
 from typing import Any, cast
 
 import torch
@@ -20,6 +32,12 @@ from torch import nn
 
 from sakura.marks import WEIGHTS_STREAMED, clear_mark, set_mark
 from sakura.options import check_choice, check_int, option_error
+from sakura_offload.paging.weight_store import (
+    FrozenTensor,
+    WeightStore,
+    frozen_block_bytes,
+    frozen_tensors,
+)
 from sakura_torch.blocks import find_blocks, validate_selector
 
 __all__ = ["WeightPaging", "WeightPagingStats", "frozen_block_bytes"]
@@ -37,8 +55,20 @@ class WeightPagingStats:
     blocks: int = 0
     """Blocks with paged weights."""
     paged_params: int = 0
+    """Frozen parameters paged."""
+    paged_buffers: int = 0
+    """Buffers paged (a quantized layer's codes, scales, ...)."""
     paged_bytes: int = 0
-    """Bytes of frozen weights held in the host store."""
+    """Bytes of frozen tensors paged, in host RAM and on disk."""
+    disk_blocks: int = 0
+    """Of the paged blocks, those whose tensors live in memory-mapped files
+    (``disk_offload``)."""
+    disk_bytes: int = 0
+    """Of ``paged_bytes``, the bytes in memory-mapped files under ``disk_offload`` (in the
+    OS's page cache while RAM has room, not in the process's own memory)."""
+    written: int = 0
+    """Frozen tensors that a forward wrote in place or replaced, taken out of paging (see
+    :mod:`.weight_store`)."""
     materialised: int = 0
     """Blocks copied to the device (forward and backward, prefetched or not)."""
     prefetched: int = 0
@@ -96,7 +126,9 @@ class _Block:
         "module",
         "name",
         "nbytes",
-        "params",
+        "tensors",
+        "tier",
+        "versions",
         "warned",
     )
 
@@ -104,7 +136,9 @@ class _Block:
         self.index = index
         self.name = name
         self.module = module
-        self.params: list[tuple[str, nn.Parameter]] = []
+        self.tensors: list[FrozenTensor] = []
+        self.tier = "host"
+        self.versions: list[int] = []
         self.host: dict[str, torch.Tensor] = {}
         self.live: dict[str, torch.Tensor] | None = None
         self.event: Any = None
@@ -124,23 +158,6 @@ def _tensors(value: Any) -> Iterable[torch.Tensor]:
             yield from _tensors(item)
 
 
-def frozen_block_bytes(model: nn.Module, blocks: Any = None) -> list[tuple[str, int]]:
-    """``(block name, bytes of its frozen parameters)`` for every block of ``model`` (found
-    as :class:`WeightPaging` finds them, ``blocks`` as there): what paging each would take
-    off the device.  A parameter shared by several blocks counts in the first."""
-    validate_selector(blocks, owner="frozen_block_bytes")
-    seen: set[int] = set()
-    sizes = []
-    for name, module in find_blocks(model, blocks, owner="frozen_block_bytes"):
-        total = 0
-        for param in module.parameters():
-            if not param.requires_grad and id(param) not in seen:
-                seen.add(id(param))
-                total += param.numel() * param.element_size()
-        sizes.append((name, total))
-    return sizes
-
-
 def _in_backward() -> bool:
     return bool(torch._C._current_graph_task_id() != -1)
 
@@ -152,7 +169,8 @@ def _is_checkpoint(hooks: tuple[Any, Any] | None) -> bool:
 
 
 class WeightPaging:
-    """Page the frozen weights of ``model``'s blocks to host RAM (see the module docstring).
+    """Page the frozen tensors of ``model``'s blocks to host RAM or disk (see the module
+    docstring; which tensors: :mod:`.weight_store`).
 
     Args:
         model: the model (a PEFT model too: its frozen base weights are paged, its
@@ -167,8 +185,18 @@ class WeightPaging:
         device: the compute device.  ``None``: where the model's first parameter is.  The
             rest of the model (parameters not paged, buffers) is moved there.
         pin_memory: page-lock the host store; ``None``: when ``device`` is a CUDA device.
+        disk_offload: ``None`` or a directory (created if missing): the blocks that
+            ``host_budget`` cannot hold keep their frozen tensors in memory-mapped files in
+            a private folder there, written as they are paged out and read through the
+            OS's page cache at each use (never page-locked); the folder is removed by
+            ``remove()``, at exit, and when setting up fails.
+        host_budget: with ``disk_offload``: bytes (an int or a size string such as
+            ``"2GiB"``) of frozen tensors kept in host RAM, whole blocks in order, the rest
+            on disk; ``None``: the memory planner's host budget (60 % of the available
+            RAM, leaving 10 % of physical RAM free); ``0``: every paged block on disk.
 
-    ``remove()`` puts every weight back on the device and removes the hooks.
+    ``remove()`` (or leaving a ``with`` block) puts every weight back on the device,
+    removes the hooks and the files.
     """
 
     def __init__(
@@ -180,6 +208,8 @@ class WeightPaging:
         prefetch: int = 1,
         device: str | torch.device | None = None,
         pin_memory: bool | None = None,
+        disk_offload: str | os.PathLike[str] | None = None,
+        host_budget: int | str | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise option_error("model", type(model).__name__, "a torch.nn.Module", owner=_OWNER)
@@ -196,6 +226,11 @@ class WeightPaging:
         self.pin_memory: bool = pin_memory
         found = find_blocks(model, blocks, owner=_OWNER)
         chosen = self._check_indices(indices, len(found))
+        self._store = WeightStore(
+            pin_memory=pin_memory, disk_offload=disk_offload, host_budget=host_budget, owner=_OWNER
+        )
+        self.host_budget: int | None = self._store.host_budget
+        """With ``disk_offload``: the bytes of frozen tensors kept in host RAM."""
         self.model = model
         self.block_names = [name for name, _ in found]
         self.stats = WeightPagingStats()
@@ -213,28 +248,23 @@ class WeightPaging:
         for position in chosen:
             name, module = found[position]
             block = _Block(len(self._blocks), name, module)
-            for pname, param in module.named_parameters():
-                if param.requires_grad or param.numel() == 0 or id(param) in paged_ids:
-                    continue
-                paged_ids.add(id(param))
-                block.params.append((pname, param))
-            if block.params:
+            block.tensors = frozen_tensors(module, paged_ids)
+            if block.tensors:
                 self._blocks.append(block)
         self.paged_names = [block.name for block in self._blocks]
         """Qualified names of the blocks whose weights are paged."""
         self.paged_bytes: dict[str, int] = {}
-        """Bytes of frozen weights in the host store, per paged block."""
+        """Bytes of frozen tensors paged, per paged block."""
+        self.tiers: dict[str, str] = {}
+        """Where each paged block's tensors live between uses: ``"host"`` or ``"disk"``."""
         self._move_rest(model, paged_ids)
+        try:
+            for block in self._blocks:
+                self._page_out(block)
+        except BaseException:  # a full disk: every tensor goes back, no file is kept
+            self._put_back()
+            raise
         for block in self._blocks:
-            for pname, param in block.params:
-                host = torch.empty_like(param, device="cpu", pin_memory=self.pin_memory)
-                host.copy_(param.detach())
-                block.host[pname] = host
-                block.nbytes += host.numel() * host.element_size()
-                param.data = host
-                self.stats.paged_params += 1
-                self.stats.paged_bytes += host.numel() * host.element_size()
-            self.paged_bytes[block.name] = block.nbytes
             self._handles.append(block.module.register_forward_pre_hook(self._make_pre_hook(block)))
             self._handles.append(
                 block.module.register_forward_hook(self._make_post_hook(block), always_call=True)
@@ -242,7 +272,39 @@ class WeightPaging:
             set_mark(block.module, WEIGHTS_STREAMED, MARK_VALUE)
         self.stats.blocks = len(self._blocks)
 
+    @property
+    def disk_root(self) -> Path | None:
+        """The folder of the memory-mapped files (``None`` without ``disk_offload``)."""
+        root: Path | None = self._store.root
+        return root
+
     # --- setup ------------------------------------------------------------------------
+
+    def _page_out(self, block: _Block) -> None:
+        """Move ``block``'s frozen tensors to its tier: ``.data`` becomes the stored copy."""
+        block.tier = self._store.tier_for(sum(f.nbytes for f in block.tensors))
+        for frozen in block.tensors:
+            stored = self._store.put(f"{block.name}.{frozen.key}", frozen.tensor, block.tier)
+            block.host[frozen.key] = stored
+            block.nbytes += frozen.nbytes
+            frozen.tensor.data = stored
+            self.stats.paged_buffers += frozen.is_buffer
+            self.stats.paged_params += not frozen.is_buffer
+        self.paged_bytes[block.name] = block.nbytes
+        self.tiers[block.name] = block.tier
+        self.stats.paged_bytes += block.nbytes
+        if block.tier == "disk":
+            self.stats.disk_blocks += 1
+            self.stats.disk_bytes += block.nbytes
+
+    def _put_back(self) -> None:
+        """Every paged tensor back on the device as a tensor of its own; files removed."""
+        for block in self._blocks:
+            for frozen in block.tensors:
+                host = block.host.get(frozen.key)
+                if host is not None:
+                    frozen.tensor.data = host.to(self.device, copy=True)
+        self._store.close()
 
     @staticmethod
     def _resolve_device(model: nn.Module, device: Any) -> torch.device:
@@ -282,7 +344,7 @@ class WeightPaging:
                 param.data = param.data.to(self.device)
         for module in model.modules():
             for name, buffer in module._buffers.items():
-                if buffer is not None and buffer.device != self.device:
+                if buffer is not None and id(buffer) not in paged and buffer.device != self.device:
                     module._buffers[name] = buffer.to(self.device)
 
     # --- materialising and releasing ---------------------------------------------------
@@ -328,8 +390,9 @@ class WeightPaging:
                 fresh.record_stream(current)
             block.event = None
         if not block.installed:
-            for pname, param in block.params:
-                param.data = live[pname]
+            for frozen in block.tensors:
+                frozen.tensor.data = live[frozen.key]
+            block.versions = [frozen.tensor._version for frozen in block.tensors]
             block.installed = True
         return live
 
@@ -341,12 +404,51 @@ class WeightPaging:
             for fresh in block.live.values():
                 fresh.record_stream(torch.cuda.current_stream(self.device))
             block.event = None
-        for pname, param in block.params:
-            param.data = block.host[pname]
+        for frozen in block.tensors:
+            frozen.tensor.data = block.host[frozen.key]
         block.installed = False
         self._released.append((block, self._forget(block)))
         self.stats.live_blocks -= 1
         self.stats.live_bytes -= block.nbytes
+
+    def _check_written(self, block: _Block) -> None:
+        """Take out of paging the tensors this forward wrote in place (their device copy,
+        which holds what was written, stays) or that the module replaced (see
+        :mod:`.weight_store`)."""
+        changed = [
+            (frozen, version)
+            for frozen, version in zip(block.tensors, block.versions, strict=True)
+            if frozen.tensor._version != version or not frozen.registered()
+        ]
+        for frozen, _ in changed:
+            replaced = not frozen.registered()
+            if block.live is not None and frozen.key in block.live:
+                live = block.live.pop(frozen.key)  # the module keeps it; release leaves it
+                self._by_storage.pop(live.untyped_storage().data_ptr(), None)
+                self.stats.live_bytes -= frozen.nbytes
+                self.stats.live_bytes -= frozen.nbytes
+            index = block.tensors.index(frozen)
+            del block.tensors[index], block.versions[index]
+            del block.host[frozen.key]
+            self._store.drop(f"{block.name}.{frozen.key}", frozen.nbytes, block.tier)
+            block.nbytes -= frozen.nbytes
+            self.paged_bytes[block.name] = block.nbytes
+            self.stats.paged_bytes -= frozen.nbytes
+            if block.tier == "disk":
+                self.stats.disk_bytes -= frozen.nbytes
+            self.stats.paged_buffers -= frozen.is_buffer
+            self.stats.paged_params -= not frozen.is_buffer
+            self.stats.written += 1
+            warnings.warn(
+                f"WeightPaging: block {block.name}'s forward "
+                + (
+                    f"replaced {frozen.key}: it is left to the module"
+                    if replaced
+                    else f"wrote {frozen.key} in place: it stays on {self.device}, unpaged"
+                ),
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def check_released(self) -> None:
         """Count (and warn once per block about) released device copies still alive.
@@ -438,6 +540,8 @@ class WeightPaging:
                 hooks.__exit__(None, None, None)
             if _in_backward():  # a recomputation: backward still needs the weights
                 return
+            if block.installed:
+                self._check_written(block)
             self._release(block)
             if torch.is_grad_enabled():
                 for t in _tensors(output):
@@ -512,24 +616,37 @@ class WeightPaging:
     # --- teardown ---------------------------------------------------------------------
 
     def remove(self) -> None:
-        """Put every paged weight back on the device (as ``param.data``); remove the hooks."""
+        """Put every paged tensor back on the device (as its ``.data``); remove the hooks
+        and the files of ``disk_offload``."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         self.release_all()
         self.check_released()
         for block in self._blocks:
-            for pname, param in block.params:
-                param.data = block.host[pname].to(self.device, copy=True)
             clear_mark(block.module, WEIGHTS_STREAMED)
+        self._put_back()
         self._blocks.clear()
         self._by_storage.clear()
         self._removed = True
         self.stats.blocks = 0
 
+    def __enter__(self) -> WeightPaging:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if not self._removed:
+            self.remove()
+
     def __repr__(self) -> str:
+        disk = f" ({self.stats.disk_bytes} on disk)" if self._store.disk is not None else ""
         return (
             f"WeightPaging({len(self._blocks)} of {len(self.block_names)} blocks, "
-            f"{self.stats.paged_bytes} bytes on the host, prefetch={self.prefetch}, "
+            f"{self.stats.paged_bytes} bytes paged{disk}, prefetch={self.prefetch}, "
             f"device={self.device})"
         )
