@@ -155,15 +155,6 @@ def test_importing_the_example_raises_no_deprecation_warning(run: Run) -> None:
     run([sys.executable, "-W", "error::DeprecationWarning", "-c", code])
 
 
-def test_the_warning_filter_catches_a_private_name() -> None:
-    """What would fail the tests above if the example used sakura-async 0.1's private hook."""
-    with pytest.raises(DeprecationWarning, match=r"rename it to start_task\(\)"):
-
-        class Legacy(Dispatcher):
-            def _submit(self, *args: Any) -> None:
-                raise AssertionError("never called")
-
-
 # --- AsyncEval and AsyncCheckpoint by name, in a training loop -------------------------------
 
 
