@@ -31,7 +31,6 @@ from sakura.errors import SpecError
 from sakura.options import OptionError
 from sakura.testing import RecordingService, run_tiny_loop
 from sakura_async import AsyncCheckpoint, AsyncEval, EvalTask, find_checkpoints, load_latest
-from sakura_async.dispatch import Dispatcher
 from sakura_async.errors import DispatcherClosedError, TaskTimeoutError
 
 pytestmark = pytest.mark.filterwarnings("error::DeprecationWarning")
