@@ -183,8 +183,8 @@ def test_every_entry_point_rejects_a_bad_value_with_the_same_text(
         texts[owner] = text.removeprefix(f"{owner}: ").replace("quantize=", "format=")
     if (
         "load_model" in texts and option == "format"
-    ):  # load_model also takes quantize=None / False / "none"
-        texts["load_model"] = texts["load_model"].replace(", 'none', None, False", "")
+    ):  # load_model also takes quantize="auto" / "none" / None / False
+        texts["load_model"] = texts["load_model"].replace(", 'auto', 'none', None, False", "")
     assert len(set(texts.values())) == 1, texts
 
 
