@@ -5,21 +5,22 @@ The host ones take flat, contiguous float32 host tensors for the weights and gra
 the moment storage of one of the three formats (:mod:`sakura_offload.host_optimizer.moments`), and update
 them in place with the same operations in the same order.  :class:`CudaBackend` does the
 same on a CUDA device; each tensor it is given is either on the device or in page-locked
-host RAM, which the kernel reads and writes in place (zero-copy).
+host RAM, which the kernel reads and writes in place (zero-copy).  :func:`resolve_backend`
+picks one from the ``backend`` option.
 """
 
 from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 
 from sakura_offload.host_optimizer import moments as fmt
-from sakura_offload.host_optimizer.kernel import Kernel
+from sakura_offload.host_optimizer.kernel import Kernel, load_cuda_kernel, load_kernel
 
-__all__ = ["Backend", "CudaBackend", "Hyper", "KernelBackend", "TorchBackend"]
+__all__ = ["Backend", "CudaBackend", "Hyper", "KernelBackend", "TorchBackend", "resolve_backend"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,3 +256,17 @@ class CudaBackend:
     ) -> None:
         ptrs = (t.data_ptr() for t in (p, g, m_codes, m_absmax, s_codes, s_absmax))
         self._launch("int8", g.device, *ptrs, p.numel(), *h.floats(), h.key)
+
+
+def resolve_backend(name: str) -> Backend:
+    """``"cpp"``: the C++ kernel (raises when it cannot be built); ``"torch"``: pure
+    torch; ``"auto"``: the kernel when it builds (and ``SAKURA_OFFLOAD_NO_KERNEL`` is not
+    set), else pure torch; ``"cuda"``: the CUDA kernel for parameters on a CUDA device
+    (raises when it cannot be loaded), ``"auto"`` for the others."""
+    if name == "torch":
+        return TorchBackend()
+    if name == "cuda":
+        library = cast(ctypes.CDLL, load_cuda_kernel(required=True))  # required: never None
+        return CudaBackend(library, resolve_backend("auto"))
+    kernel = load_kernel(required=name == "cpp")
+    return KernelBackend(kernel) if kernel is not None else TorchBackend()

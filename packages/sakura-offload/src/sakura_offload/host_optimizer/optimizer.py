@@ -7,8 +7,10 @@ Design (master copies, where a CUDA parameter's update runs, the backward-pass c
 
 from __future__ import annotations
 
-import ctypes
+import logging
 import math
+import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, cast
@@ -17,42 +19,23 @@ import torch
 
 from sakura.options import check_int
 from sakura_offload.host_optimizer import moments as fmt
-from sakura_offload.host_optimizer.backends import (
-    Backend,
-    CudaBackend,
-    Hyper,
-    KernelBackend,
-    TorchBackend,
-)
+from sakura_offload.host_optimizer.backends import Backend, CudaBackend, Hyper, resolve_backend
 from sakura_offload.host_optimizer.device_stream import CudaTransfer, DeviceTransfer, HostPipeline
 from sakura_offload.host_optimizer.event_wait import EventWait
-from sakura_offload.host_optimizer.kernel import load_cuda_kernel, load_kernel
 from sakura_offload.host_optimizer.options import check_group, check_optimizer_options
+from sakura_offload.host_optimizer.placement import distributed, place, state_bytes
+from sakura_offload.host_optimizer.state_layout import INT8_KEYS as _INT8_KEYS
+from sakura_offload.host_optimizer.state_layout import (
+    export_hook,
+    import_state,
+    is_direct,
+    match_saved,
+    new_state,
+)
 
 __all__ = ["OffloadAdamW", "resolve_backend"]
 
-_MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
-_INT8_KEYS = ("exp_avg_codes", "exp_avg_absmax", "exp_avg_sq_sqrt_codes", "exp_avg_sq_sqrt_absmax")
-_IMPORT_STREAM = 0x5EED5EED  # distinguishes the rounding stream of a state import
-
-
-def resolve_backend(name: str) -> Backend:
-    """``"cpp"``: the C++ kernel (raises when it cannot be built); ``"torch"``: pure
-    torch; ``"auto"``: the kernel when it builds (and ``SAKURA_OFFLOAD_NO_KERNEL`` is not
-    set), else pure torch; ``"cuda"``: the CUDA kernel for parameters on a CUDA device
-    (raises when it cannot be loaded), ``"auto"`` for the others."""
-    if name == "torch":
-        return TorchBackend()
-    if name == "cuda":
-        library = cast(ctypes.CDLL, load_cuda_kernel(required=True))  # required: never None
-        return CudaBackend(library, resolve_backend("auto"))
-    kernel = load_kernel(required=name == "cpp")
-    return KernelBackend(kernel) if kernel is not None else TorchBackend()
-
-
-def _is_direct(p: torch.Tensor) -> bool:
-    """True when the update can run on the parameter itself (no master copy)."""
-    return p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous()
+_LOG = logging.getLogger("sakura_offload.host_optimizer")
 
 
 def _pinned(state: dict[str, Any]) -> list[torch.Tensor]:
@@ -87,20 +70,37 @@ class OffloadAdamW(torch.optim.Optimizer):
         moment_dtype: ``"float32"``/``"fp32"``/``torch.float32`` (exact AdamW),
             ``"bfloat16"``/``"bf16"``/``torch.bfloat16`` (stochastic rounding; 4 bytes per
             parameter instead of 8) or ``"int8"``/``"8bit"`` (blockwise 8-bit, 2 bytes per
-            parameter plus one fp32 absmax per 256 values; see :mod:`sakura_offload.host_optimizer.moments`).
+            parameter plus one fp32 absmax per 256 values; see :mod:`sakura_offload.host_optimizer.moments`),
+            or ``"auto"``: float32 unless the moments and master weights would not fit in
+            ``host_budget``, then bfloat16, then int8 (``moment_dtype_reason`` says why;
+            logged once).
         max_grad_norm: clip the total 2-norm of all gradients to this (the result of
             ``torch.nn.utils.clip_grad_norm_`` followed by AdamW; the gradients themselves are
             left unchanged); ``last_grad_norm`` holds the norm measured.
         accumulation_steps: backward passes per ``step()``; one more before ``step()``,
             ``zero_grad()`` or ``skip_step()`` raises (see :meth:`set_accumulation_steps`).
         eager: update each tensor during backward as soon as its last gradient of the step
-            lands (``None`` means off: a loop that reads gradients between backward and
-            ``step()``, for clipping or loss scaling, would be silently wrong otherwise).
+            lands.  ``None``: on unless ``max_grad_norm`` is set or a process group of
+            several ranks averages the gradients after backward (``eager_reason`` says
+            which).  A loop that changes a gradient after its eager update (clipping it
+            itself, unscaling a loss scaler's gradients) gets an error at ``step()``: pass
+            ``max_grad_norm`` here, or ``eager=False``; a skipped step (``skip_step()``)
+            after eager updates is an error too (they cannot be taken back).
         backend: ``"auto"`` (C++ kernel, pure torch if it cannot be built), ``"cpp"``,
             ``"torch"``, or ``"cuda"``: parameters on a CUDA device are updated there by the
             CUDA kernel, their moments and master weights staying in page-locked host RAM
             (compiled with nvcc on first use; untested on a GPU so far).
         seed: seed of the stochastic-rounding streams (bf16 and int8 moments).
+        pin_moments: page-lock the moments and master weights in host RAM (faster copies
+            to and from a GPU).  ``None``: pinned unless that would lock more than 40 % of
+            RAM; without CUDA nothing can be pinned, so ``None`` means unpinned and
+            ``True`` raises.  Parameters the CUDA kernel updates are always pinned.
+        host_budget: bytes (or a size string, ``"8GiB"``) of host RAM the moments and
+            master weights may take, for ``moment_dtype="auto"``; default: the RAM
+            available less a floor of 10 % of physical RAM (at least 4 GiB).
+
+    :meth:`stats` reports where the state lives and what the optimizer did;
+    :meth:`synchronize` waits for every queued update.
     """
 
     def __init__(
@@ -117,6 +117,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         eager: bool | None = None,
         backend: str = "auto",
         seed: int = 0,
+        pin_moments: bool | None = None,
+        host_budget: int | str | None = None,
     ) -> None:
         options = check_optimizer_options(
             moment_dtype=moment_dtype,
@@ -125,14 +127,18 @@ class OffloadAdamW(torch.optim.Optimizer):
             eager=eager,
             backend=backend,
             seed=seed,
+            pin_moments=pin_moments,
+            host_budget=host_budget,
         )
         self.moment_dtype: str = options["moment_dtype"]
+        """The moment format in use (``"auto"`` is resolved when the optimizer is built)."""
+        self.moment_dtype_reason: str = f"moment_dtype={moment_dtype!r}"
+        """Why that format: the option as given, or ``"auto"``'s decision."""
         self.max_grad_norm: float | None = options["max_grad_norm"]
         self.accumulation_steps: int = options["accumulation_steps"]
         self._accumulation_advice = (
             "create the optimizer with accumulation_steps=<backward passes per step>"
         )
-        self.eager: bool = options["eager"]
         self.seed: int = options["seed"]
         self.last_grad_norm: float | None = None
         self._hooks: list[Any] = []
@@ -141,6 +147,12 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._counts: dict[torch.Tensor, int] = {}
         self._updated: set[torch.Tensor] = set()
         self._replaced: list[weakref.ReferenceType[torch.optim.Optimizer]] = []
+        self._eager_grads: dict[torch.Tensor, tuple[torch.Tensor, int]] = {}
+        self._steps = 0
+        self._kernel_s = 0.0
+        self._kernel_lock = threading.Lock()
+        self._moved = [0, 0]  # bytes device -> host, host -> device since the last step()
+        self._last_moved = (0, 0)
         defaults = {
             "lr": lr,
             "betas": betas,
@@ -152,6 +164,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         check_group(dict(defaults))
         super().__init__(params, defaults)
         self.backend: Backend = resolve_backend(options["backend"])
+        self._place(options, eager)
         self._devices: set[torch.device] = set()  # with CUDA updates not yet waited for
         # Host updates of CUDA parameters: side-stream copies, a worker thread, event waits
         # (SAKURA_OFFLOAD_EVENT_*, read and checked now).
@@ -164,9 +177,42 @@ class OffloadAdamW(torch.optim.Optimizer):
         # The export to torch.optim.AdamW's layout is the first state-dict post-hook, so
         # hooks registered later (sakura-zero's consolidation, which may hand back the whole
         # gathered state instead) see AdamW's layout, never the packed moments.
-        self.register_state_dict_post_hook(OffloadAdamW._export_hook, prepend=True)
+        self.register_state_dict_post_hook(export_hook, prepend=True)
 
     # --- construction -------------------------------------------------------------------
+
+    def _place(self, options: dict[str, Any], eager: bool | None) -> None:
+        """Decide the moment format (``"auto"``), the pinning and eager updates (see
+        :mod:`sakura_offload.host_optimizer.placement`)."""
+        params = self._params()
+        masters = sum(4 * p.numel() for p in params if self._needs_master(p))
+        placed = place(
+            sum(p.numel() for p in params),
+            masters,
+            moment_dtype=self.moment_dtype,
+            host_budget=options["host_budget"],
+            pin_moments=options["pin_moments"],
+            eager=eager,
+            max_grad_norm=self.max_grad_norm,
+            distributed=distributed(),
+        )
+        self.host_budget: int = placed.host_budget
+        """The host-RAM budget ``moment_dtype="auto"`` decided against, in bytes."""
+        if self.moment_dtype == "auto":  # (otherwise the reason is the option as given)
+            self.moment_dtype, self.moment_dtype_reason = placed.moment_dtype.astuple()
+            _LOG.info("OffloadAdamW: moment_dtype=%s (%s)", *placed.moment_dtype.astuple())
+        self.pin_moments: bool = placed.pin.value
+        """Whether the moments and master weights are page-locked."""
+        self.pin_reason: str = placed.pin.reason
+        self.eager: bool = placed.eager.value
+        """Whether tensors are updated during backward, as their last gradient lands."""
+        self.eager_reason: str = placed.eager.reason
+
+    def _needs_master(self, p: torch.Tensor) -> bool:
+        """True when ``p``'s update runs on an fp32 master copy in host RAM."""
+        if self._on_device(p):
+            return not (p.dtype == torch.float32 and p.is_contiguous())
+        return not is_direct(p)
 
     @classmethod
     def from_optimizer(cls, optimizer: torch.optim.Optimizer, **options: Any) -> OffloadAdamW:
@@ -245,12 +291,15 @@ class OffloadAdamW(torch.optim.Optimizer):
             with torch.no_grad():
                 self._update(p, self._group_of[p], 1.0)
             self._updated.add(p)
+            if p.grad is not None:
+                self._eager_grads[p] = (p.grad, p.grad._version)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._wait_for_devices()  # no gradient is zeroed while a copy of it is queued
         super().zero_grad(set_to_none)
         self._counts.clear()
         self._updated.clear()
+        self._eager_grads.clear()
 
     def skip_step(self) -> None:
         """End this step without updating: the backward passes counted since the last
@@ -258,10 +307,21 @@ class OffloadAdamW(torch.optim.Optimizer):
         that is not taken, e.g. skipped by a loss scaler for inf/NaN gradients, in a loop
         that then zeroes the gradients without this optimizer (``model.zero_grad()``, as the
         Hugging Face Trainer does); the ``offload_adamw`` service calls it on
-        ``OnOptimizerStep(skipped=True)``."""
+        ``OnOptimizerStep(skipped=True)``.
+
+        Raises after eager updates of this step (they cannot be taken back): create the
+        optimizer with ``eager=False`` for a loop that skips steps."""
         self._wait_for_devices()
+        updated = len(self._updated)
         self._counts.clear()
         self._updated.clear()
+        self._eager_grads.clear()
+        if updated:
+            raise RuntimeError(
+                f"OffloadAdamW.skip_step: {updated} tensor(s) were already updated eagerly "
+                "during backward and cannot be taken back; a loop that skips steps (a loss "
+                "scaler's inf/NaN steps) needs OffloadAdamW(..., eager=False)"
+            )
 
     # --- the step -----------------------------------------------------------------------
 
@@ -286,6 +346,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_eager_grads()
         scale = self._clip_coefficient()
         for group in self.param_groups:
             for p in group["params"]:
@@ -294,6 +355,8 @@ class OffloadAdamW(torch.optim.Optimizer):
                 self._update(p, group, scale)
         self._counts.clear()
         self._updated.clear()
+        self._eager_grads.clear()
+        self._steps += 1
         for ref in self._replaced:
             # LR schedulers built on the optimizer this one replaced check that it stepped
             # (torch's private flag); it did, through this one.
@@ -301,7 +364,57 @@ class OffloadAdamW(torch.optim.Optimizer):
             if replaced is not None:
                 replaced._opt_called = True  # type: ignore[attr-defined]
         self._wait_for_devices()
+        self._last_moved = (self._moved[0], self._moved[1])
+        self._moved = [0, 0]
         return loss
+
+    def _check_eager_grads(self) -> None:
+        """Raise when a gradient changed after its eager update (clipped or unscaled in
+        place, or replaced): the update already used the old one."""
+        for p, (grad, version) in self._eager_grads.items():
+            if p.grad is not grad or grad._version != version:
+                self._counts.clear()
+                self._updated.clear()
+                self._eager_grads.clear()
+                raise RuntimeError(
+                    f"OffloadAdamW: the gradient of parameter {self._index[p]} changed after "
+                    f"its eager update during backward ({self.eager_reason}); a loop that "
+                    "clips or unscales gradients between backward and step() needs "
+                    "OffloadAdamW(..., max_grad_norm=<norm>) (the optimizer clips) or "
+                    "eager=False"
+                )
+
+    def synchronize(self) -> None:
+        """Block until every queued update has landed: the CUDA kernel's, and the host
+        updates of CUDA parameters with their copies back (a no-op when none is queued)."""
+        self._wait_for_devices()
+
+    def stats(self) -> dict[str, Any]:
+        """Where the state lives and what the optimizer did (after waiting for queued
+        updates): ``backend``; ``moment_dtype``, ``moment_dtype_reason``; ``host_budget``;
+        ``moment_bytes``, ``master_bytes`` (allocated so far), ``pin_moments``,
+        ``pin_reason``, ``pinned_bytes``; ``eager``, ``eager_reason``; ``steps``;
+        ``kernel_seconds``; ``d2h_bytes_per_step``, ``h2d_bytes_per_step`` (this
+        optimizer's copies in the last step).  Each key: the package README, "Options"."""
+        self._wait_for_devices()
+        moments, masters, pinned = state_bytes(self.state.values(), self._grad_buffers.values())
+        return {
+            "backend": self.backend.name,
+            "moment_dtype": self.moment_dtype,
+            "moment_dtype_reason": self.moment_dtype_reason,
+            "host_budget": self.host_budget,
+            "moment_bytes": moments,
+            "master_bytes": masters,
+            "pin_moments": self.pin_moments,
+            "pin_reason": self.pin_reason,
+            "pinned_bytes": pinned,
+            "eager": self.eager,
+            "eager_reason": self.eager_reason,
+            "steps": self._steps,
+            "kernel_seconds": self._kernel_s,
+            "d2h_bytes_per_step": self._last_moved[0],
+            "h2d_bytes_per_step": self._last_moved[1],
+        }
 
     @property
     def _host_backend(self) -> Backend:
@@ -325,21 +438,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._devices.clear()
 
     def _init_state(self, p: torch.Tensor, state: dict[str, Any]) -> None:
-        state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        if self._on_device(p) and p.dtype == torch.float32 and p.is_contiguous():
-            pass  # the CUDA kernel updates the parameter itself
-        elif not _is_direct(p):
-            state["master"] = p.detach().to("cpu", torch.float32, copy=True).contiguous()
-        if self.moment_dtype == "int8":
-            size = fmt.blocks_for(p.numel())
-            state["exp_avg_codes"] = torch.zeros(size * fmt.BLOCK, dtype=torch.uint8)
-            state["exp_avg_absmax"] = torch.zeros(size, dtype=torch.float32)
-            state["exp_avg_sq_sqrt_codes"] = torch.zeros(size * fmt.BLOCK, dtype=torch.uint8)
-            state["exp_avg_sq_sqrt_absmax"] = torch.zeros(size, dtype=torch.float32)
-        else:
-            dtype = torch.float32 if self.moment_dtype == "float32" else torch.bfloat16
-            for key in _MOMENT_KEYS:
-                state[key] = torch.zeros(p.shape, dtype=dtype)
+        state.update(new_state(p, self.moment_dtype, master=self._needs_master(p)))
+        if self.pin_moments:
+            _pinned(state)
 
     def _update(self, p: torch.Tensor, group: dict[str, Any], grad_scale: float) -> None:
         grad = p.grad
@@ -367,6 +468,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         )
         on_device = self._on_device(p)
         transfer = self._transfer
+        if not on_device:
+            if grad.device.type != "cpu":
+                self._moved[0] += grad.numel() * grad.element_size()
+            if p.device.type != "cpu":
+                self._moved[1] += p.numel() * p.element_size()
         if not on_device and transfer is not None and transfer.handles(p):
             self._update_through_host(p, state, grad, h, transfer)
             return
@@ -389,6 +495,17 @@ class OffloadAdamW(torch.optim.Optimizer):
             p.detach().copy_(master.view(p.shape), non_blocking=on_device)
 
     def _run_update(
+        self, backend: Backend, flat: torch.Tensor, g: torch.Tensor, state: dict[str, Any], h: Hyper
+    ) -> None:
+        start = time.perf_counter()
+        try:
+            self._run_kernel(backend, flat, g, state, h)
+        finally:
+            elapsed = time.perf_counter() - start
+            with self._kernel_lock:  # the host pipeline's worker thread runs updates too
+                self._kernel_s += elapsed
+
+    def _run_kernel(
         self, backend: Backend, flat: torch.Tensor, g: torch.Tensor, state: dict[str, Any], h: Hyper
     ) -> None:
         if self.moment_dtype == "float32":
@@ -439,33 +556,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         ``exp_avg_sq`` (always float32, in the parameter's shape), plus ``master`` (the fp32
         master weights) for parameters that have one."""
         self._wait_for_devices()
-        return super().state_dict()  # exported by _export_hook, the first post-hook
-
-    @staticmethod
-    def _export_hook(optimizer: torch.optim.Optimizer, packed: dict[str, Any]) -> dict[str, Any]:
-        if not isinstance(optimizer, OffloadAdamW):  # registered on OffloadAdamW only
-            raise TypeError(f"not an OffloadAdamW: {type(optimizer).__name__}")
-        params = optimizer._params()
-        packed["state"] = {
-            index: optimizer._export_state(params[index], state)
-            for index, state in packed["state"].items()
-        }
-        return packed
-
-    def _export_state(self, p: torch.Tensor, state: Mapping[str, Any]) -> dict[str, Any]:
-        out: dict[str, Any] = {"step": state["step"]}
-        if self.moment_dtype == "int8":
-            n = p.numel()
-            codes, absmax, s_codes, s_absmax = (state[k] for k in _INT8_KEYS)
-            out["exp_avg"] = fmt.decode_signed(codes, absmax, n).reshape(p.shape)
-            root = fmt.decode_unsigned(s_codes, s_absmax, n).reshape(p.shape)
-            out["exp_avg_sq"] = root * root
-        else:
-            for key in _MOMENT_KEYS:
-                out[key] = state[key].float()
-        if "master" in state:
-            out["master"] = state["master"].view(p.shape)
-        return out
+        return super().state_dict()  # exported by export_hook, the first post-hook
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a state dict of this class or of :class:`torch.optim.AdamW` (moments of any
@@ -480,34 +571,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        self._load_state(state_dict)
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
-
-    def _load_state(self, state_dict: Mapping[str, Any]) -> None:
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(
-                f"OffloadAdamW.load_state_dict: the state has {len(saved_groups)} param "
-                f"group(s), the optimizer {len(self.param_groups)}"
-            )
-        by_id: dict[Any, torch.Tensor] = {}
-        for group, saved in zip(self.param_groups, saved_groups, strict=True):
-            if len(group["params"]) != len(saved["params"]):
-                raise ValueError(
-                    "OffloadAdamW.load_state_dict: a param group's size differs from the "
-                    f"state's ({len(group['params'])} against {len(saved['params'])})"
-                )
-            by_id.update(zip(saved["params"], group["params"], strict=True))
-        for group, saved in zip(self.param_groups, saved_groups, strict=True):
-            update = {
-                k: v
-                for k, v in saved.items()
-                if k in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "initial_lr")
-            }
-            candidate = {**group, **update}
-            check_group(candidate)
-            group.update({k: candidate[k] for k in update})
+        by_id = match_saved(self.param_groups, state_dict["param_groups"])
         self.state.clear()
         for key, saved_state in state_dict["state"].items():
             if key not in by_id:
@@ -516,37 +580,11 @@ class OffloadAdamW(torch.optim.Optimizer):
                     "param group lists"
                 )
             p = by_id[key]
-            self.state[p] = self._import_state(p, saved_state)
-
-    def _import_state(self, p: torch.Tensor, saved: Mapping[str, Any]) -> dict[str, Any]:
-        state: dict[str, Any] = {}
-        if "exp_avg" not in saved or "exp_avg_sq" not in saved:
-            return state
-        step = saved.get("step", 0)
-        step_value = float(step.item() if isinstance(step, torch.Tensor) else step)
-        state["step"] = torch.tensor(step_value, dtype=torch.float32)
-        master = saved.get("master")
-        if master is not None:
-            state["master"] = master.detach().to("cpu", torch.float32, copy=True).contiguous()
-        elif not _is_direct(p):
-            state["master"] = p.detach().to("cpu", torch.float32, copy=True).contiguous()
-        if "master" in state and state["master"].numel() != p.numel():
-            raise ValueError("OffloadAdamW.load_state_dict: a master weight has the wrong size")
-        moments = [
-            cast(torch.Tensor, saved[k]).detach().to("cpu", torch.float32).reshape(p.shape)
-            for k in _MOMENT_KEYS
-        ]
-        if self.moment_dtype == "int8":
-            flat_m, flat_v = (t.reshape(-1) for t in moments)
-            codes, absmax = fmt.quantize_blocks(flat_m, signed=True)
-            key = fmt.stream_key(self.seed ^ _IMPORT_STREAM, int(step_value), self._index[p])
-            bits = fmt.pair_bits(key, absmax.numel())
-            s_codes, s_absmax = fmt.quantize_blocks(
-                flat_v.clamp(min=0).sqrt(), signed=False, bits=bits
+            state = import_state(
+                p, saved_state, moment_dtype=self.moment_dtype, seed=self.seed, index=self._index[p]
             )
-            state.update(zip(_INT8_KEYS, (codes, absmax, s_codes, s_absmax), strict=True))
-        else:
-            dtype = torch.float32 if self.moment_dtype == "float32" else torch.bfloat16
-            for k, t in zip(_MOMENT_KEYS, moments, strict=True):
-                state[k] = t.to(dtype, copy=True).contiguous()
-        return state
+            if self.pin_moments:
+                _pinned(state)
+            self.state[p] = state
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)

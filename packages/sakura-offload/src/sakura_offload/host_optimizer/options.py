@@ -28,14 +28,17 @@ MOMENT_DTYPES: dict[Any, str] = {
     torch.bfloat16: "bfloat16",
     "int8": "int8",
     "8bit": "int8",
+    "auto": "auto",
 }
-"""Accepted ``moment_dtype`` values -> the format's canonical name."""
+"""Accepted ``moment_dtype`` values -> the format's canonical name (``"auto"``: chosen from
+the host RAM when the optimizer is built, see :mod:`.placement`)."""
 
 BACKENDS = ("auto", "cpp", "torch", "cuda")
 
 
 def check_moment_dtype(value: Any, *, owner: str = OWNER) -> str:
-    """The canonical format name (``"float32"``, ``"bfloat16"``, ``"int8"``) of ``value``."""
+    """The canonical format name (``"float32"``, ``"bfloat16"``, ``"int8"``, ``"auto"``) of
+    ``value``."""
     check_choice("moment_dtype", value, MOMENT_DTYPES, owner=owner)
     return MOMENT_DTYPES[value]
 
@@ -73,9 +76,14 @@ def check_optimizer_options(
     eager: Any,
     backend: Any,
     seed: Any,
+    pin_moments: Any = None,
+    host_budget: Any = None,
     owner: str = OWNER,
 ) -> dict[str, Any]:
-    """The validated optimizer-wide options (``eager`` resolved to a bool)."""
+    """The validated optimizer-wide options (``eager`` and ``pin_moments`` still None when
+    given so: the optimizer decides them; ``host_budget`` in bytes or None)."""
+    from sakura_offload.planner.plan import parse_bytes
+
     dtype = check_moment_dtype(moment_dtype, owner=owner)
     norm = check_number(
         "max_grad_norm",
@@ -96,11 +104,15 @@ def check_optimizer_options(
         )
     check_choice("backend", backend, BACKENDS, owner=owner)
     check_int("seed", seed, minimum=0, maximum=2**32 - 1, owner=owner)
+    check_choice("pin_moments", pin_moments, (None, True, False), owner=owner)
+    budget = parse_bytes("host_budget", host_budget, allow_none=True, owner=owner)
     return {
         "moment_dtype": dtype,
         "max_grad_norm": norm,
         "accumulation_steps": steps,
-        "eager": bool(eager),
+        "eager": eager,
         "backend": backend,
         "seed": seed,
+        "pin_moments": pin_moments,
+        "host_budget": budget,
     }

@@ -16,6 +16,13 @@ publishes them on ``OnTrainBegin.accumulation_steps`` (Lightning's
 is for loops that do not say.  A step the loop reports skipped (``OnOptimizerStep(skipped=
 True)``: a loss scaler found inf/NaN gradients) ends the accumulation window as a taken
 step does (:meth:`OffloadAdamW.skip_step`).
+
+Eager updates: ``eager=None`` means off under the service (unlike a bare
+:class:`OffloadAdamW`, where it means on when nothing clips).  The service runs under loops
+that may clip, unscale (a loss scaler) or all-reduce the gradients between backward and the
+step, through the framework or another service, which the optimizer cannot see before the
+step.  ``eager=True`` turns it on for a loop that does none of that; a loop that says it
+clips (``LoopContext.gradient_clipping``) then gets an error when training starts.
 """
 
 from __future__ import annotations
@@ -34,8 +41,10 @@ _OWNER = "OffloadAdamWService"
 
 class OffloadAdamWService(Service):
     """Spec ``offload_adamw[:moment_dtype][,max_grad_norm=..,accumulation_steps=..,eager=..,
-    backend=..,seed=..]``, e.g. ``offload_adamw:bf16``.  The options are
-    :class:`~sakura_offload.OffloadAdamW`'s."""
+    backend=..,seed=..,pin_moments=..,host_budget=..]``, e.g. ``offload_adamw:bf16`` or
+    ``offload_adamw:auto,host_budget=8GiB``.  The options are
+    :class:`~sakura_offload.OffloadAdamW`'s, except ``eager=None``, which means off here
+    (see the module docstring)."""
 
     name = "offload_adamw"
     priority: float = 80
@@ -49,28 +58,36 @@ class OffloadAdamWService(Service):
         eager: bool | None = None,
         backend: str = "auto",
         seed: int = 0,
+        pin_moments: bool | None = None,
+        host_budget: int | str | None = None,
         priority: float | None = None,
     ) -> None:
         self.accumulation_steps: int | None = check_int(
             "accumulation_steps", accumulation_steps, minimum=1, allow_none=True, owner=_OWNER
         )
         """As given: None reads the loop's setting at train begin (1 if it says nothing)."""
-        check_optimizer_options(
+        checked = check_optimizer_options(
             moment_dtype=moment_dtype,
             max_grad_norm=max_grad_norm,
             accumulation_steps=accumulation_steps or 1,
             eager=eager,
             backend=backend,
             seed=seed,
+            pin_moments=pin_moments,
+            host_budget=host_budget,
             owner=_OWNER,
         )
+        self.eager: bool | None = eager
+        """As given: None means off under the service."""
         self.options: dict[str, Any] = {
             "moment_dtype": moment_dtype,
             "max_grad_norm": max_grad_norm,
             "accumulation_steps": accumulation_steps or 1,
-            "eager": eager,
+            "eager": bool(eager),
             "backend": backend,
             "seed": seed,
+            "pin_moments": pin_moments,
+            "host_budget": checked["host_budget"],
         }
         if priority is not None:
             self.priority = check_number("priority", priority, owner=_OWNER)
@@ -82,6 +99,11 @@ class OffloadAdamWService(Service):
 
         offload = OffloadAdamW.from_optimizer(optimizer, **self.options)
         if offload is not optimizer:  # (one the loop built itself keeps its own settings)
+            if self.eager is None:
+                offload.eager_reason = (
+                    "offload_adamw service with eager=None: the loop may clip, unscale or "
+                    "all-reduce gradients after backward"
+                )
             given = self.accumulation_steps
             offload.set_accumulation_steps(
                 given or 1, advice=_NOT_SAID if given is None else _GIVEN
@@ -96,6 +118,16 @@ class OffloadAdamWService(Service):
         steps = getattr(event, "accumulation_steps", None)
         if steps is not None:
             self._take_accumulation(steps)
+        loop = getattr(event, "loop", None)
+        clipping = getattr(loop, "gradient_clipping", None)
+        if self.eager is True and clipping is not None:
+            raise option_error(
+                "eager",
+                True,
+                f"None or False when the loop clips gradients itself ({clipping}): the "
+                "eager updates would run on the unclipped gradients",
+                owner=_OWNER,
+            )
         optimizer = _offload_adamw(getattr(event, "optimizer", None))
         if optimizer is None and getattr(event, "optimizer", None) is not None:
             warnings.warn(
