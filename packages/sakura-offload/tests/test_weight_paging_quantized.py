@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import gc
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -244,3 +245,21 @@ def test_a_quantized_base_streams_under_gradient_checkpointing(reentrant: bool) 
     # nothing is saved inside checkpointed blocks (unchecked, the norms' weights would be)
     assert paging.stats.saved_tokens == 0 and paging.stats.on_demand == 0
     assert paging.stats.max_live_blocks == 2 and paging.stats.still_referenced == 0
+
+
+def test_a_quantized_base_streams_from_disk(tmp_path: Path) -> None:
+    base = quantized_lora_llama(FORMATS["nf4-loftq"][0])
+    paged = copy.deepcopy(base)
+    paging = WeightPaging(paged, disk_offload=tmp_path, host_budget=0)
+    assert set(paging.tiers.values()) == {"disk"}
+    assert (
+        paging.stats.disk_bytes
+        == paging.stats.paged_bytes
+        == sum(size for _, size in frozen_block_bytes(base))
+    )
+    root = paging.disk_root
+    assert root is not None and len(list(root.iterdir())) == (7 * 4 + 2) * LAYERS
+    for a, b in zip(train(paged), train(base), strict=True):
+        assert torch.equal(a, b)
+    paging.remove()
+    assert not root.exists() and list(tmp_path.iterdir()) == []
