@@ -236,6 +236,7 @@ def test_a_tensor_a_forward_writes_leaves_the_disk_tier_with_its_value(tmp_path:
     model(torch.randn(3, WIDTH))
     assert [int(m.calls) for m in model] == [2, 2]
     assert paging.stats.written == 2 and paging.stats.paged_buffers == 0
+    assert paging.stats.live_bytes == 0 and paging.stats.live_blocks == 0
     assert paging.stats.disk_bytes == paging.stats.paged_bytes == 2 * (WIDTH + 1) * WIDTH * 4
     assert len(list(root.iterdir())) == 4  # the counters' files are gone
     paging.remove()

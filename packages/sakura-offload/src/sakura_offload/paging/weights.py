@@ -416,16 +416,15 @@ class WeightPaging:
         which holds what was written, stays) or that the module replaced (see
         :mod:`.weight_store`)."""
         changed = [
-            (frozen, version)
+            frozen
             for frozen, version in zip(block.tensors, block.versions, strict=True)
             if frozen.tensor._version != version or not frozen.registered()
         ]
-        for frozen, _ in changed:
+        for frozen in changed:
             replaced = not frozen.registered()
             if block.live is not None and frozen.key in block.live:
                 live = block.live.pop(frozen.key)  # the module keeps it; release leaves it
                 self._by_storage.pop(live.untyped_storage().data_ptr(), None)
-                self.stats.live_bytes -= frozen.nbytes
                 self.stats.live_bytes -= frozen.nbytes
             index = block.tensors.index(frozen)
             del block.tensors[index], block.versions[index]
