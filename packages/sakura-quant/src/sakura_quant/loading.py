@@ -26,7 +26,13 @@ from sakura.options import check_bool, check_choice, check_int, check_number, op
 from sakura_quant.codec import encode
 from sakura_quant.formats import QuantizedWeight
 from sakura_quant.linear import QuantizedLinear
-from sakura_quant.load.budget import LoadChoice, available_ram, choose, quantized_nbytes
+from sakura_quant.load.budget import (
+    LoadChoice,
+    available_ram,
+    choose,
+    quantized_nbytes,
+    release_freed_heap,
+)
 from sakura_quant.load.source import RandomWeights, build_skeleton, resolve
 from sakura_quant.loftq import check_error_rank
 from sakura_quant.options import DEFAULT_SKIP, QuantOptions, WeightSpec
@@ -307,6 +313,7 @@ def load_model(
                 _cast(weight, dtype), spec, options, name=f"{name}.weight", owner=_OWNER
             )
             del weight
+            release_freed_heap()
             if bias is not None:
                 layer.bias = nn.Parameter(_cast(bias, dtype), requires_grad=False)
             layer.requires_grad_(False)
@@ -354,6 +361,7 @@ def _precise_names(
             tensors={k: torch.empty_like(t, device="meta") for k, t in stored.tensors.items()},
         )
         del weight, base, stored
+        release_freed_heap()
     return set(select_precise(measured, options.keep_precise, shells.__getitem__))
 
 
