@@ -39,10 +39,9 @@ CASES: dict[str, dict[str, Any]] = {
 
 
 def child(folder: str, options_json: str) -> None:
-    import torch
-
     import accelerate  # noqa: F401 - counted in the baseline, as load_model imports them
-    import transformers  # noqa: F401
+    import torch
+    import transformers
     import transformers.models.llama.modeling_llama  # noqa: F401
 
     from sakura_quant import load_model
