@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -45,19 +46,26 @@ def sample():
         peak[0] = max(peak[0], anon())
 thread = threading.Thread(target=sample, daemon=True)
 thread.start()
-model = load_model(sys.argv[1], sys.argv[2])
+options = json.loads(sys.argv[2])
+if "dtype" in options:
+    options["dtype"] = getattr(torch, options["dtype"])
+model = load_model(sys.argv[1], **options)
 done.set()
 thread.join(timeout=5)
 peak[0] = max(peak[0], anon())
-kept = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-print(json.dumps({"peak": peak[0] - base, "model_bytes": kept}))
+store = model.sakura_disk_offload
+on_disk = set() if store is None else set(store.keys())
+kept = sum(
+    t.numel() * t.element_size() for k, t in model.state_dict().items() if k not in on_disk
+)
+print(json.dumps({"peak": peak[0] - base, "model_bytes": kept, "on_disk": len(on_disk)}))
 """
 
 MIB = 2**20
 
 
-@pytest.mark.parametrize("fmt", ["nf4", "int8"])
-def test_peak_is_the_largest_tensor_plus_the_quantized_model(tmp_path: Path, fmt: str) -> None:
+def _measure(tmp_path: Path, options: dict[str, Any]) -> tuple[dict[str, Any], int, int]:
+    """(the child's row, the checkpoint's bytes, its largest tensor's bytes)."""
     config = transformers.LlamaConfig(
         vocab_size=1024,
         hidden_size=512,
@@ -68,19 +76,38 @@ def test_peak_is_the_largest_tensor_plus_the_quantized_model(tmp_path: Path, fmt
         max_position_embeddings=64,
     )
     model = transformers.LlamaForCausalLM(config)  # fp32: 135 MiB of weights
-    model.save_pretrained(tmp_path)
+    model.save_pretrained(tmp_path / "ckpt")
     sizes = [t.numel() * t.element_size() for t in model.state_dict().values()]
     checkpoint, largest = sum(sizes), max(sizes)
     del model
     proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(tmp_path), fmt],
+        [sys.executable, "-c", _CHILD, str(tmp_path / "ckpt"), json.dumps(options)],
         capture_output=True,
         text=True,
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    row: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return row, checkpoint, largest
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "int8"])
+def test_peak_is_the_largest_tensor_plus_the_quantized_model(tmp_path: Path, fmt: str) -> None:
+    row, checkpoint, largest = _measure(tmp_path, {"quantize": fmt})
     bound = largest + row["model_bytes"]
     assert row["model_bytes"] < checkpoint / 2.5  # what the bound is about: quantized
     assert row["peak"] <= bound + 64 * MIB, (row, bound, checkpoint)
     assert row["peak"] < checkpoint - 16 * MIB  # never the full-precision model
+
+
+def test_disk_offload_keeps_the_layers_out_of_ram(tmp_path: Path) -> None:
+    """Unquantized and cast to bf16 (so no tensor can stay a view of the checkpoint's
+    pages), the layers' matrices go to disk_offload's files as they are read: what stays in
+    anonymous memory is the rest of the model plus one tensor, not the 67 MiB of layers."""
+    options = {"quantize": None, "dtype": "bfloat16", "disk_offload": str(tmp_path / "disk")}
+    row, checkpoint, largest = _measure(tmp_path, options)
+    assert row["on_disk"] == 8 * 7
+    assert row["model_bytes"] < checkpoint / 30  # embeddings, head and norms only
+    assert row["peak"] <= largest + row["model_bytes"] + 64 * MIB, (row, largest)
+    in_ram, _, _ = _measure(tmp_path, {"quantize": None, "dtype": "bfloat16"})
+    assert in_ram["peak"] > checkpoint / 2 - 8 * MIB  # without it, the bf16 model is in RAM

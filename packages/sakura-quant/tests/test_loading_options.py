@@ -251,7 +251,6 @@ def test_load_option_errors(tmp_path: Path) -> None:
         ({"ram_fraction": 1.5}, r"ram_fraction=1\.5"),
         ({"host_budget": -1}, r"host_budget=-1"),
         ({"host_budget": 1.5}, r"host_budget=1\.5"),
-        ({"disk_offload": 3}, r"disk_offload=3 .*None or a directory"),
         ({"quantize": "int8", "keep_precise": 0.1}, r"keep_precise=0\.1"),
         ({"quantize": None, "keep_precise": 2}, r"keep_precise=2"),
         ({"quantize": "auto", "block_size": 3}, r"block_size=3"),

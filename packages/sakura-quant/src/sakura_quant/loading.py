@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
@@ -121,14 +121,21 @@ class _Checkpoint:
             stored_bias = self.read(f"{name}.bias", linear.bias)
         return weight, stored_bias
 
-    def fill(self, model: nn.Module, dtype: torch.dtype | None) -> None:
+    def fill(
+        self,
+        model: nn.Module,
+        dtype: torch.dtype | None,
+        offload: Callable[[str, torch.Tensor], torch.Tensor] | None,
+    ) -> None:
         """Every parameter and persistent buffer the checkpoint has, quantized layers
-        excepted, read into ``model`` (cast to ``dtype``)."""
+        excepted, read into ``model`` (cast to ``dtype``, then through ``offload``)."""
         for key, module, attr, is_param in _own_tensors(model):
             if isinstance(module, QuantizedLinear) or key not in self:
                 continue
             current = module._parameters[attr] if is_param else module._buffers[attr]
             tensor = _cast(self.read(key, current), dtype)
+            if offload is not None:
+                tensor = offload(key, tensor)
             if is_param:
                 module._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
             else:
@@ -215,7 +222,13 @@ def load_model(
         random_weights: build the shapes without reading a checkpoint: each module is
             initialised by the model's own initialisation under a seed drawn from torch's
             generator (deterministic under ``torch.manual_seed``), then quantized as if read.
-        disk_offload: not built yet (a ``NotImplementedError``).
+        disk_offload: ``None`` or a directory: the decoder layers' matrices that are not
+            quantized are written to memory-mapped files in a private folder there as they
+            are read (:class:`sakura_torch.disk.TensorFileStore`, kept as
+            ``model.sakura_disk_offload``), so a base larger than RAM loads: their pages
+            are the page cache's, read again from the disk when RAM runs short.  The folder
+            goes when the store is closed or collected, at exit, and when the load fails; a
+            folder that cannot be made or written is an error naming ``disk_offload``.
         ram_fraction: with ``quantize="auto"`` and no ``host_budget``: the budget is this
             fraction of the RAM available now (default 0.85).
         host_budget: with ``quantize="auto"``: the budget in bytes.
@@ -260,13 +273,8 @@ def load_model(
     )
     if host_budget is not None:
         check_int("host_budget", host_budget, minimum=0, owner=_OWNER)
-    if disk_offload is not None:
-        if not isinstance(disk_offload, (str, os.PathLike)):
-            raise option_error("disk_offload", disk_offload, "None or a directory", owner=_OWNER)
-        raise NotImplementedError(
-            "load_model: disk_offload= is not built yet (decoder-layer matrices written to "
-            "memory-mapped files as they are read); pass disk_offload=None"
-        )
+    if disk_offload is not None and not isinstance(disk_offload, (str, os.PathLike)):
+        raise option_error("disk_offload", disk_offload, "None or a directory", owner=_OWNER)
     if model is not None and not isinstance(model, nn.Module):
         raise option_error("model", model, "None or a torch.nn.Module", owner=_OWNER)
     if model is not None and config_overrides:
@@ -285,6 +293,69 @@ def load_model(
         folder = root if root.is_dir() else root.parent
         model = build_skeleton(folder, trust_remote_code, config_overrides, _LOAD_OPTIONS)
 
+    store, offload = (None, None) if disk_offload is None else _disk_tier(disk_offload, model)
+    try:
+        choice = _fill(
+            model,
+            random,
+            files,
+            root,
+            unquantized,
+            auto,
+            options,
+            dtype,
+            offload,
+            host_budget,
+            fraction,
+        )
+        _finish(model, root, choice)
+    except BaseException:
+        if store is not None:
+            store.close()  # the folder and every file in it go: nothing half-written is used
+        raise
+    # The store lives as long as the model (its folder goes at close(), garbage collection
+    # or exit); a plain attribute, not a submodule.
+    model.__dict__["sakura_disk_offload"] = store
+    return model
+
+
+def _disk_tier(
+    directory: str | os.PathLike[str], model: nn.Module
+) -> tuple[Any, Callable[[str, torch.Tensor], torch.Tensor]]:
+    """``disk_offload``: a :class:`sakura_torch.disk.TensorFileStore` in ``directory`` and
+    the function that writes a tensor there as it is read (returning it mapped back from its
+    file) when it is a matrix of a decoder layer (``sakura_torch.blocks.find_blocks``), and
+    returns any other tensor as it is."""
+    from sakura_torch.blocks import find_blocks
+    from sakura_torch.disk import TensorFileStore
+
+    prefixes = tuple(f"{name}." for name, _ in find_blocks(model, owner=_OWNER))
+    store = TensorFileStore(directory, option="disk_offload", owner=_OWNER, prefix="sakura-load-")
+
+    def offload(key: str, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dim() >= 2 and tensor.is_floating_point() and key.startswith(prefixes):
+            mapped: torch.Tensor = store.put(key, tensor)
+            return mapped
+        return tensor
+
+    return store, offload
+
+
+def _fill(
+    model: nn.Module,
+    random: bool,
+    files: list[Path],
+    root: Path,
+    unquantized: bool,
+    auto: bool,
+    options: QuantOptions,
+    dtype: torch.dtype | None,
+    offload: Callable[[str, torch.Tensor], torch.Tensor] | None,
+    host_budget: int | None,
+    fraction: float,
+) -> LoadChoice:
+    """The load itself: targets quantized as read, then every other tensor read (or
+    initialised), each passed through ``offload`` (``disk_offload``) when there is one."""
     with ExitStack() as stack:
         source: RandomWeights | _Checkpoint = (
             RandomWeights(model) if random else _Checkpoint(files, stack, root)
@@ -296,7 +367,7 @@ def load_model(
             )
         choice = LoadChoice("none" if unquantized else options.format, None, {})
         if auto:
-            budget = int(fraction * available_ram()) if host_budget is None else int(host_budget)
+            budget = int(fraction * available_ram()) if host_budget is None else host_budget
             choice = choose(_sizes(model, found, source, dtype, options), budget)
             if choice.quantize == "none":
                 found = []
@@ -319,7 +390,12 @@ def load_model(
             layer.requires_grad_(False)
             parent_name, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, attr, layer)
-        source.fill(model, dtype)
+        source.fill(model, dtype, offload)
+    return choice
+
+
+def _finish(model: nn.Module, root: Path, choice: LoadChoice) -> None:
+    """Ties, the check that nothing is left on the meta device, frozen, the choice kept."""
     tie = getattr(model, "tie_weights", None)
     if callable(tie):
         tie()
@@ -331,7 +407,6 @@ def load_model(
         )
     model.requires_grad_(False)
     model.__dict__["sakura_quant_load"] = choice  # a plain attribute, not a submodule
-    return model
 
 
 def _precise_names(

@@ -182,16 +182,25 @@ class RandomWeights:
         weight: torch.Tensor = twin.weight
         return weight.detach(), None if made is None or not bias else made.detach()
 
-    def fill(self, model: nn.Module, dtype: torch.dtype | None) -> None:
+    def fill(
+        self,
+        model: nn.Module,
+        dtype: torch.dtype | None,
+        offload: Callable[[str, torch.Tensor], torch.Tensor] | None,
+    ) -> None:
         """Every module still on the meta device initialised (quantized layers are not:
-        they hold no meta tensor), its floating tensors cast to ``dtype``."""
+        they hold no meta tensor), its floating tensors cast to ``dtype`` and passed
+        through ``offload`` (given the tensor's key), one module at a time."""
         for name, module in model.named_modules():
-            if self.materialize(name, module) and dtype is not None:
-                for attr, value in module._parameters.items():
-                    if value is not None and value.is_floating_point():
-                        module._parameters[attr] = nn.Parameter(
-                            value.detach().to(dtype), requires_grad=False
-                        )
-                for attr, value in module._buffers.items():
-                    if value is not None and value.is_floating_point():
-                        module._buffers[attr] = value.to(dtype)
+            if not self.materialize(name, module):
+                continue
+            prefix = f"{name}." if name else ""
+            for attr, value in module._parameters.items():
+                if value is not None and value.is_floating_point():
+                    tensor = value.detach() if dtype is None else value.detach().to(dtype)
+                    if offload is not None:
+                        tensor = offload(prefix + attr, tensor)
+                    module._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
+            for attr, value in module._buffers.items():
+                if value is not None and value.is_floating_point() and dtype is not None:
+                    module._buffers[attr] = value.to(dtype)
