@@ -4,8 +4,10 @@ quantized model.
 A Llama-shaped checkpoint (``--layers`` layers of ``--hidden``, ``--vocab`` tokens, stored in
 ``--dtype``) is written to a temporary folder, then loaded in a fresh process per case:
 ``nf4``, ``nf4`` with ``keep_precise="auto"`` (its measuring pass reads every target once
-more), ``int8``, ``auto`` (a budget that forces int8) and ``none`` (unquantized: the bound is
-then the model itself).  Each child reports its peak anonymous memory above what it held
+more), ``int8``, ``auto`` (a budget that forces int8), ``none`` (unquantized: its tensors stay
+views of the checkpoint's memory map), ``none-fp32`` (unquantized, cast to float32: all in
+RAM) and ``none-fp32-disk`` (the same with ``disk_offload``: the decoder layers' matrices in
+memory-mapped files, not counted in the model's RAM bytes).  Each child reports its peak anonymous memory above what it held
 after the imports (``RssAnon``, sampled every millisecond by a thread, so a peak can only be
 missed, never invented; the file-backed pages of the memory-mapped checkpoint are the page
 cache's, reclaimable, and not counted), its ``VmHWM`` above the imports (which does count
@@ -35,6 +37,8 @@ CASES: dict[str, dict[str, Any]] = {
     "int8": {"quantize": "int8"},
     "auto(int8)": {"quantize": "auto"},  # host_budget set to the int8 size by the parent
     "none": {"quantize": None},
+    "none-fp32": {"quantize": None, "dtype": "float32"},
+    "none-fp32-disk": {"quantize": None, "dtype": "float32", "disk_offload": True},
 }
 
 
@@ -48,6 +52,10 @@ def child(folder: str, options_json: str) -> None:
 
     torch.set_num_threads(1)
     options = json.loads(options_json)
+    if "dtype" in options:
+        options["dtype"] = getattr(torch, options["dtype"])
+    if options.get("disk_offload"):
+        options["disk_offload"] = tempfile.mkdtemp(prefix="quant-load-peak-")
     with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
         fh.write("5")  # reset VmHWM: the peak is the load's own
     base = require_status_kib("VmRSS") * 1024
@@ -65,13 +73,18 @@ def child(folder: str, options_json: str) -> None:
     done.set()
     sampler.join(timeout=5)
     anon_peak[0] = max(anon_peak[0], require_status_kib("RssAnon") * 1024)
-    kept = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    store = model.sakura_disk_offload
+    on_disk = set() if store is None else set(store.keys())
+    kept = sum(
+        t.numel() * t.element_size() for k, t in model.state_dict().items() if k not in on_disk
+    )
     print(
         json.dumps(
             {
                 "anon_peak": anon_peak[0] - anon_base,
                 "hwm_peak": require_status_kib("VmHWM") * 1024 - base,
                 "model_bytes": kept,
+                "disk_bytes": 0 if store is None else store.nbytes,
                 "quantize": model.sakura_quant_load.quantize,
             }
         )

@@ -335,6 +335,8 @@ def _disk_tier(
     def offload(key: str, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.dim() >= 2 and tensor.is_floating_point() and key.startswith(prefixes):
             mapped: torch.Tensor = store.put(key, tensor)
+            del tensor
+            release_freed_heap()  # the copy read (or cast) is gone: its pages too
             return mapped
         return tensor
 
