@@ -6,6 +6,7 @@ Hugging Face cache laid out in tmp_path."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -259,3 +260,26 @@ def test_load_option_errors(tmp_path: Path) -> None:
         kwargs = {"quantize": "nf4", **kwargs}
         with pytest.raises(OptionError, match=rf"load_model: {text}"):
             load_model(path, **kwargs)
+
+
+def test_random_weights_for_a_given_module(
+    tmp_path: Path, make_tiny_lm: Callable[[], nn.Module]
+) -> None:
+    """A plain module is initialised by each layer's own reset_parameters()."""
+    with torch.device("meta"):
+        skeleton = make_tiny_lm()
+    torch.manual_seed(0)
+    loaded = load_model(tmp_path, "int8", model=skeleton, random_weights=True)
+    assert not any(t.is_meta for t in loaded.state_dict().values())
+    assert set(_formats(loaded).values()) == {"int8"} and len(_formats(loaded)) == 4
+    assert torch.equal(loaded.layers[0].norm.weight, torch.ones(64))  # LayerNorm's reset
+    bound = 1 / 64**0.5  # nn.Linear's reset: uniform within 1/sqrt(in_features)
+    assert float(loaded.lm_head.weight.abs().max()) <= bound
+
+    class Bare(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.empty(3, device="meta"))
+
+    with pytest.raises(ValueError, match=r"cannot initialise the model \(Bare\)"):
+        load_model(tmp_path, None, model=Bare(), random_weights=True)

@@ -293,21 +293,12 @@ def load_model(
         folder = root if root.is_dir() else root.parent
         model = build_skeleton(folder, trust_remote_code, config_overrides, _LOAD_OPTIONS)
 
+    budget = None
+    if auto:  # measured once, before anything is read
+        budget = int(fraction * available_ram()) if host_budget is None else host_budget
     store, offload = (None, None) if disk_offload is None else _disk_tier(disk_offload, model)
     try:
-        choice = _fill(
-            model,
-            random,
-            files,
-            root,
-            unquantized,
-            auto,
-            options,
-            dtype,
-            offload,
-            host_budget,
-            fraction,
-        )
+        choice = _fill(model, random, files, root, unquantized, budget, options, dtype, offload)
         _finish(model, root, choice)
     except BaseException:
         if store is not None:
@@ -349,15 +340,14 @@ def _fill(
     files: list[Path],
     root: Path,
     unquantized: bool,
-    auto: bool,
+    budget: int | None,
     options: QuantOptions,
     dtype: torch.dtype | None,
     offload: Callable[[str, torch.Tensor], torch.Tensor] | None,
-    host_budget: int | None,
-    fraction: float,
 ) -> LoadChoice:
-    """The load itself: targets quantized as read, then every other tensor read (or
-    initialised), each passed through ``offload`` (``disk_offload``) when there is one."""
+    """The load itself: with a ``budget`` (``quantize="auto"``) the format chosen first,
+    then the targets quantized as read, then every other tensor read (or initialised), each
+    passed through ``offload`` (``disk_offload``) when there is one."""
     with ExitStack() as stack:
         source: RandomWeights | _Checkpoint = (
             RandomWeights(model) if random else _Checkpoint(files, stack, root)
@@ -368,8 +358,7 @@ def _fill(
                 options.error_rank, tuple(linear.weight.shape), name=name, owner=_OWNER
             )
         choice = LoadChoice("none" if unquantized else options.format, None, {})
-        if auto:
-            budget = int(fraction * available_ram()) if host_budget is None else host_budget
+        if budget is not None:
             choice = choose(_sizes(model, found, source, dtype, options), budget)
             if choice.quantize == "none":
                 found = []
