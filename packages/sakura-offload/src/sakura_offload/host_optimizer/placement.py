@@ -4,7 +4,7 @@ updates start during backward (``eager=None``).
 
 Each decision is a pure function of the figures it is given (bytes the state would take,
 host RAM, whether CUDA is present), so tests force every branch with injected figures;
-:func:`host_ram` measures the machine (the planner's own reading of ``/proc/meminfo``).
+:func:`host_ram` measures the machine (:mod:`sakura_torch.host_memory`, as the planner does).
 A decision is a :class:`Decision`: the value and a sentence saying why, which
 ``OffloadAdamW.stats()`` reports.
 """
@@ -66,10 +66,11 @@ class Placement:
 
 
 def host_ram() -> tuple[int, int]:
-    """(available, total) bytes of host RAM, as the memory planner reads them."""
-    from sakura_offload.planner.decide import _host_ram
+    """(available, total) bytes of host RAM (:func:`sakura_torch.host_memory.host_ram`, the
+    reading the memory planner uses too)."""
+    from sakura_torch.host_memory import host_ram as read
 
-    return _host_ram()
+    return read()
 
 
 def distributed() -> bool:

@@ -33,22 +33,14 @@ from sakura_offload.planner.plan import (
     _mb,
     _resident,
 )
+from sakura_torch.host_memory import host_ram
 
 __all__ = ["Search", "choose", "default_host_budget", "disk_budget", "given_choices"]
 
 
 def _host_ram() -> tuple[int, int]:
-    """(available, total) bytes of host RAM."""
-    try:
-        fields: dict[str, int] = {}
-        with open("/proc/meminfo", encoding="ascii") as handle:
-            for line in handle:
-                name, _, rest = line.partition(":")
-                fields[name] = int(rest.split()[0]) * 1024
-        return fields["MemAvailable"], fields["MemTotal"]
-    except (OSError, KeyError, ValueError, IndexError):
-        page = os.sysconf("SC_PAGE_SIZE")
-        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+    """(available, total) bytes of host RAM (:func:`sakura_torch.host_memory.host_ram`)."""
+    return host_ram()
 
 
 def default_host_budget() -> int:

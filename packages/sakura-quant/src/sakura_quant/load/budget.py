@@ -16,12 +16,12 @@ import ctypes.util
 import functools
 import logging
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from sakura_quant.formats.double_quant import SCALE_BLOCK_SIZE
 from sakura_quant.options import WeightSpec
+from sakura_torch.host_memory import host_ram
 
 __all__ = [
     "AUTO_ORDER",
@@ -51,18 +51,9 @@ def quantized_nbytes(numel: int, spec: WeightSpec) -> int:
 
 
 def available_ram() -> int:
-    """Bytes of host RAM available now (``MemAvailable``; the free pages where there is no
-    ``/proc/meminfo``)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as handle:
-            for line in handle:
-                name, _, rest = line.partition(":")
-                if name == "MemAvailable":
-                    return int(rest.split()[0]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    page = os.sysconf("SC_PAGE_SIZE")
-    return int(os.sysconf("SC_AVPHYS_PAGES") * page)
+    """Bytes of host RAM available now (:func:`sakura_torch.host_memory.host_ram`, the
+    reading sakura-offload's planner and host optimizer use too)."""
+    return host_ram().available
 
 
 @functools.cache
