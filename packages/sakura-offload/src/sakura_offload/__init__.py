@@ -10,6 +10,9 @@ One sub-package per feature (the guide: ``docs/offload.md``):
   disk) and ``WeightPaging`` (frozen weights streamed from host RAM per block);
 * :mod:`sakura_offload.planner`: ``MemoryPlanner``, keep / page / recompute per block to
   fit a budget; ``MemoryPlannerService`` (spec ``memory_plan``);
+* :mod:`sakura_offload.fit`: ``wrap`` / ``unwrap`` / ``memory_report`` and the ``fit``
+  service (spec ``fit``): decide from the budgets where the optimizer, the frozen weights
+  and the activations live, and whether a plugin's fit choice (a quantized base) is needed;
 * :mod:`sakura_offload.loss`: the chunked causal-LM loss (it moves to sakura-kernels).
 """
 
@@ -19,6 +22,15 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from sakura_offload.fit import (
+        FitChoice,
+        FitError,
+        FitOption,
+        FitService,
+        memory_report,
+        unwrap,
+        wrap,
+    )
     from sakura_offload.host_optimizer.optimizer import OffloadAdamW
     from sakura_offload.host_optimizer.service import OffloadAdamWService
     from sakura_offload.loss import causal_lm_loss, chunked_causal_lm_loss
@@ -30,6 +42,13 @@ if TYPE_CHECKING:
 # Exports load on first use: the plugin module (sakura_offload.plugin) is imported whenever
 # sakura lists plugins, and that must not import torch.
 _EXPORTS = {
+    "FitChoice": "sakura_offload.fit.choices",
+    "FitError": "sakura_offload.fit.decide",
+    "FitOption": "sakura_offload.fit.choices",
+    "FitService": "sakura_offload.fit.service",
+    "memory_report": "sakura_offload.fit.report",
+    "unwrap": "sakura_offload.fit.wrap",
+    "wrap": "sakura_offload.fit.wrap",
     "OffloadAdamW": "sakura_offload.host_optimizer.optimizer",
     "OffloadAdamWService": "sakura_offload.host_optimizer.service",
     "causal_lm_loss": "sakura_offload.loss",
@@ -48,6 +67,10 @@ _EXPORTS = {
 
 __all__ = [
     "ActivationPaging",
+    "FitChoice",
+    "FitError",
+    "FitOption",
+    "FitService",
     "MemoryBudgetError",
     "MemoryPlan",
     "MemoryPlanner",
@@ -60,7 +83,10 @@ __all__ = [
     "causal_lm_loss",
     "chunked_causal_lm_loss",
     "frozen_block_bytes",
+    "memory_report",
     "plan_memory",
+    "unwrap",
+    "wrap",
 ]
 __version__ = "0.1.0"
 

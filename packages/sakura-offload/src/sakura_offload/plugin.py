@@ -1,9 +1,19 @@
 """sakura-offload's plugin module (entry point ``sakura``): registers the services lazily, so
-listing plugins never imports torch."""
+listing plugins never imports torch, and declares the fit-choices hook
+(:mod:`sakura_offload.fit.choices`)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from sakura.hookspecs import Register, hookimpl
+
+
+@hookimpl
+def sakura_add_hookspecs(pluginmanager: Any) -> None:
+    from sakura_offload.fit import choices
+
+    choices.add_to(pluginmanager)
 
 
 @hookimpl
@@ -17,4 +27,10 @@ def sakura_register_services(register: Register) -> None:
         "memory_plan",
         "sakura_offload.planner.service:MemoryPlannerService",
         description="per block keep / page / recompute of saved activations to fit a memory budget",
+    )
+    register(
+        "fit",
+        "sakura_offload.fit.service:FitService",
+        description="decides where optimizer, frozen weights and activations live to fit the "
+        "device and host budgets",
     )

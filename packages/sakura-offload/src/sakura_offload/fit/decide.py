@@ -1,0 +1,309 @@
+"""``fit``'s decisions: pure functions of measured sizes and budgets.
+
+A plan is tried in this order of cost, and the first that fits both budgets is taken
+(:func:`decide`):
+
+1. everything resident on the device (the optimizer as the loop built it);
+2. the optimizer on the host (:class:`~sakura_offload.OffloadAdamW`), its moments float32
+   → bfloat16 → int8 as the host budget requires
+   (:func:`~sakura_offload.host_optimizer.placement.choose_moment_dtype`);
+3. besides, the blocks' frozen weights streamed from host RAM
+   (:class:`~sakura_offload.WeightPaging`);
+4. streamed from disk for the blocks host RAM cannot hold (only with ``disk_offload``);
+5. steps 1-4 again with the frozen weights shrunk by a fit choice (a plugin's, see
+   :mod:`.choices`: sakura-quant's int8, then nf4), the cheapest option first: only when
+   nothing fits otherwise.
+
+Device bytes counted: trainable parameters and their gradients, frozen tensors that stay
+(all of them when resident; those outside the blocks when streamed, plus ``prefetch + 1``
+of the largest blocks being used), the optimizer's state when it stays (AdamW: two moments
+the size of the parameters) and ``activation_reserve``.  What is left of the device budget
+goes to the activations (:class:`~sakura_offload.MemoryPlanner` keeps, pages or recomputes
+them to fit it).  Host bytes counted: OffloadAdamW's moments and fp32 masters, and the
+streamed blocks kept in host RAM.  When nothing fits, :class:`FitError` names the smallest
+device budget (and, if that is the limit, host budget) that would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sakura_offload.fit.choices import FitOption
+from sakura_offload.host_optimizer.placement import choose_moment_dtype, moment_bytes
+from sakura_offload.planner.plan import MemoryBudgetError
+
+__all__ = ["Budgets", "FitError", "FitPlan", "ModelSizes", "candidates", "decide"]
+
+OPTIMIZER_PLACES = ("device", "host")
+WEIGHT_PLACES = ("resident", "host", "disk")
+LADDER = (("device", "resident"), ("host", "resident"), ("host", "host"), ("host", "disk"))
+"""(optimizer, frozen weights) in the order they are tried, cheapest first."""
+
+
+class FitError(MemoryBudgetError):
+    """No plan fits the budgets; ``minimum`` is the smallest device budget that would
+    (``host_minimum``: the smallest host budget with it, or None when host RAM is not the
+    limit)."""
+
+    def __init__(
+        self, message: str, *, budget: int, minimum: int, host_minimum: int | None = None
+    ) -> None:
+        super().__init__(message, budget=budget, minimum=minimum)
+        self.host_minimum = host_minimum
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.4g} GiB ({n} bytes)"
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """What a model's state measures (bytes), as ``fit`` needs it.
+
+    ``trainable_bytes`` / ``trainable_numel``: parameters that train (their gradients take
+    as much); ``master_bytes``: fp32 master copies OffloadAdamW keeps for the trainable
+    parameters that are not fp32; ``optimizer_bytes``: the loop's optimizer state on the
+    device (AdamW: ``2 * trainable_bytes``); ``host_optimizer``: whether the optimizer can
+    become an OffloadAdamW (an Adam or AdamW); ``outside_frozen_bytes``: frozen tensors
+    outside the blocks; ``block_names`` / ``block_frozen``: each block and the bytes of
+    frozen tensors streaming would take off the device."""
+
+    trainable_bytes: int
+    trainable_numel: int
+    master_bytes: int
+    optimizer_bytes: int
+    host_optimizer: bool
+    outside_frozen_bytes: int
+    block_names: tuple[str, ...]
+    block_frozen: tuple[int, ...]
+
+    @property
+    def frozen_bytes(self) -> int:
+        return self.outside_frozen_bytes + sum(self.block_frozen)
+
+    def shrunk(self, option: FitOption) -> ModelSizes:
+        """These sizes once ``option`` is applied (its savings subtracted per block)."""
+        frozen = list(self.block_frozen)
+        outside = self.outside_frozen_bytes
+        for module, saved in option.saved.items():
+            for i, block in enumerate(self.block_names):
+                if module == block or module.startswith(block + "."):
+                    frozen[i] -= saved
+                    break
+            else:
+                outside -= saved
+        if min([*frozen, outside]) < 0:
+            raise ValueError(f"fit choice {option.label} claims to save more than there is")
+        return dataclasses.replace(self, block_frozen=tuple(frozen), outside_frozen_bytes=outside)
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """``device``: device bytes (None: no limit); ``host``: host RAM for the optimizer and
+    the streamed weights; ``disk``: bytes the disk tier may take (None: no disk tier);
+    ``activation_reserve``: device bytes kept for activations; ``prefetch``: blocks copied
+    ahead while one runs (WeightPaging's); ``moment_dtype``: ``"auto"`` or a fixed format
+    for the host optimizer."""
+
+    device: int | None
+    host: int
+    disk: int | None = None
+    activation_reserve: int = 0
+    prefetch: int = 1
+    moment_dtype: str = "auto"
+
+
+@dataclass(frozen=True)
+class FitPlan:
+    """A decided plan: where the optimizer and the frozen weights live, the fit option
+    applied (or None), and the bytes each place takes."""
+
+    optimizer: str
+    weights: str
+    option: FitOption | None
+    sizes: ModelSizes
+    moment_dtype: str | None
+    moment_reason: str
+    block_tiers: tuple[str, ...]
+    device_bytes: int
+    host_bytes: int
+    disk_bytes: int
+    activation_budget: int | None
+    reasons: tuple[str, ...] = ()
+
+    @property
+    def streamed_blocks(self) -> list[int]:
+        return [i for i, tier in enumerate(self.block_tiers) if tier != "device"]
+
+    @property
+    def host_weight_bytes(self) -> int:
+        return sum(
+            b for b, t in zip(self.sizes.block_frozen, self.block_tiers, strict=True) if t == "host"
+        )
+
+    def summary(self) -> str:
+        parts = [f"optimizer on the {self.optimizer}"]
+        if self.optimizer == "host":
+            parts[0] += f" ({self.moment_dtype} moments)"
+        parts.append(
+            "frozen weights resident" if self.weights == "resident" else
+            f"frozen weights streamed from {self.weights}"
+        )  # fmt: skip
+        if self.option is not None:
+            parts.append(f"frozen base shrunk by {self.option.label}")
+        return "; ".join(parts)
+
+
+def _working_set(block_frozen: Sequence[int], prefetch: int) -> int:
+    return sum(sorted(block_frozen, reverse=True)[: prefetch + 1])
+
+
+def candidates(
+    sizes: ModelSizes, budgets: Budgets, option: FitOption | None = None
+) -> list[FitPlan]:
+    """The plans of the ladder for ``sizes`` (already shrunk by ``option``), in order,
+    whatever the budgets (each with its bytes; :func:`decide` takes the first that fits).
+    Plans that cannot exist (host optimizer for an optimizer that is not AdamW, disk
+    without a disk tier) are left out."""
+    plans: list[FitPlan] = []
+    grads = sizes.trainable_bytes
+    n = len(sizes.block_frozen)
+    for optimizer, weights in LADDER:
+        if optimizer == "host" and not sizes.host_optimizer:
+            continue
+        if weights == "disk" and budgets.disk is None:
+            continue
+        device = sizes.trainable_bytes + grads + budgets.activation_reserve
+        host = 0
+        dtype: str | None = None
+        reason = ""
+        if optimizer == "device":
+            device += sizes.optimizer_bytes
+        if weights == "resident":
+            device += sizes.frozen_bytes
+            tiers = ("device",) * n
+        else:
+            device += sizes.outside_frozen_bytes + _working_set(
+                sizes.block_frozen, budgets.prefetch
+            )
+            tiers = ("host",) * n
+        streamed_host = sum(sizes.block_frozen) if weights == "host" else 0
+        if optimizer == "host":
+            room = budgets.host - streamed_host
+            if budgets.moment_dtype == "auto":
+                decision = choose_moment_dtype(sizes.trainable_numel, sizes.master_bytes, room)
+                dtype, reason = decision.value, decision.reason
+            else:
+                dtype, reason = budgets.moment_dtype, f"moment_dtype={budgets.moment_dtype!r}"
+            host += moment_bytes(dtype, sizes.trainable_numel) + sizes.master_bytes
+        disk = 0
+        if weights == "disk":  # whole blocks in order while host RAM holds them
+            left = budgets.host - host
+            chosen = []
+            for b in sizes.block_frozen:
+                if b <= left:
+                    chosen.append("host")
+                    left -= b
+                else:
+                    chosen.append("disk")
+                    disk += b
+            tiers = tuple(chosen)
+            host += sum(b for b, t in zip(sizes.block_frozen, tiers, strict=True) if t == "host")
+        else:
+            host += streamed_host
+        activations = None if budgets.device is None else budgets.device - device
+        plans.append(
+            FitPlan(
+                optimizer=optimizer,
+                weights=weights,
+                option=option,
+                sizes=sizes,
+                moment_dtype=dtype,
+                moment_reason=reason,
+                block_tiers=tiers,
+                device_bytes=device,
+                host_bytes=host,
+                disk_bytes=disk,
+                activation_budget=activations,
+            )
+        )
+    return plans
+
+
+def _fits(plan: FitPlan, budgets: Budgets) -> bool:
+    if budgets.device is not None and plan.device_bytes > budgets.device:
+        return False
+    if plan.host_bytes > budgets.host:
+        return False
+    return budgets.disk is None or plan.disk_bytes <= budgets.disk
+
+
+def decide(sizes: ModelSizes, budgets: Budgets, options: Sequence[FitOption] = ()) -> FitPlan:
+    """The first plan that fits (see the module docstring); ``options``: what the fit
+    choices offer, tried cheapest first only when nothing fits without them.  Raises
+    :class:`FitError` naming the smallest budgets that would fit."""
+    ranked = sorted(options, key=lambda o: (o.cost, -o.bytes_saved))
+    tried: list[FitPlan] = []
+    for option in [None, *ranked]:
+        shrunk = sizes if option is None else sizes.shrunk(option)
+        for plan in candidates(shrunk, budgets, option):
+            tried.append(plan)
+            if _fits(plan, budgets):
+                return dataclasses.replace(plan, reasons=_reasons(plan, tried[:-1], budgets))
+    raise _no_fit(tried, budgets)
+
+
+def _describe(plan: FitPlan) -> str:
+    return plan.summary()
+
+
+def _reasons(plan: FitPlan, rejected: Sequence[FitPlan], budgets: Budgets) -> tuple[str, ...]:
+    lines = [f"not {_describe(p)}: {_why_not(p, budgets)}" for p in rejected]
+    limit = "no device limit" if budgets.device is None else f"device budget {_gib(budgets.device)}"
+    lines.append(
+        f"{_describe(plan)}: needs {_gib(plan.device_bytes)} on the device ({limit}), "
+        f"{_gib(plan.host_bytes)} of host RAM (budget {_gib(budgets.host)})"
+        + (f", {_gib(plan.disk_bytes)} on disk" if plan.disk_bytes else "")
+    )
+    if plan.moment_reason:
+        lines.append(f"moments: {plan.moment_reason}")
+    return tuple(lines)
+
+
+def _why_not(plan: FitPlan, budgets: Budgets) -> str:
+    if budgets.device is not None and plan.device_bytes > budgets.device:
+        return f"needs {_gib(plan.device_bytes)} on the device"
+    if plan.host_bytes > budgets.host:
+        return f"needs {_gib(plan.host_bytes)} of host RAM"
+    return f"needs {_gib(plan.disk_bytes)} on disk"
+
+
+def _no_fit(tried: Sequence[FitPlan], budgets: Budgets) -> FitError:
+    device = budgets.device if budgets.device is not None else 0
+    host_ok = [
+        p
+        for p in tried
+        if p.host_bytes <= budgets.host and (budgets.disk is None or p.disk_bytes <= budgets.disk)
+    ]
+    if host_ok:  # the device is the limit
+        best = min(host_ok, key=lambda p: p.device_bytes)
+        return FitError(
+            f"fit: no plan fits device_budget={_gib(device)}; the smallest plan ({_describe(best)}) "
+            f"needs device_budget >= {_gib(best.device_bytes)} (activations come on top: "
+            "the memory planner measures them at the first step)",
+            budget=device,
+            minimum=best.device_bytes,
+        )
+    best = min(tried, key=lambda p: (p.host_bytes, p.device_bytes))
+    return FitError(
+        f"fit: no plan fits host_budget={_gib(budgets.host)}"
+        + ("" if budgets.disk is None else f" and a disk tier of {_gib(budgets.disk)}")
+        + f"; the smallest plan ({_describe(best)}) needs host_budget >= {_gib(best.host_bytes)}"
+        + f" and device_budget >= {_gib(best.device_bytes)}"
+        + ("" if budgets.disk is not None else " (or give disk_offload=DIR)"),
+        budget=device,
+        minimum=best.device_bytes,
+        host_minimum=best.host_bytes,
+    )

@@ -1,0 +1,127 @@
+"""What ``fit`` shows: the plan as a table (:func:`plan_table`) and where every byte of a
+wrapped model lives (:func:`memory_report`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sakura_offload.fit.decide import Budgets, FitPlan
+
+__all__ = ["memory_report", "plan_table"]
+
+
+def _mb(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.2f} MiB"
+
+
+def plan_table(plan: FitPlan, budgets: Budgets) -> str:
+    """The plan: per block where its frozen weights live and why, then the totals and
+    the reasons each cheaper plan was rejected."""
+    why = {
+        "device": "resident: the device budget holds it",
+        "host": "streamed from host RAM: the device budget cannot hold every block",
+        "disk": "streamed from disk: host RAM cannot hold it",
+    }
+    rows = [f"{'block':<32} {'frozen':>12}  where"]
+    for name, size, tier in zip(
+        plan.sizes.block_names, plan.sizes.block_frozen, plan.block_tiers, strict=True
+    ):
+        rows.append(f"{name:<32} {_mb(size):>12}  {why[tier]}")
+    rows.append(f"{'outside the blocks':<32} {_mb(plan.sizes.outside_frozen_bytes):>12}  resident")
+    rows.append(
+        f"{'trainable (+ gradients)':<32} {_mb(2 * plan.sizes.trainable_bytes):>12}  device"
+    )
+    optimizer = (
+        f"host, {plan.moment_dtype} moments"
+        if plan.optimizer == "host"
+        else "device"
+    )  # fmt: skip
+    rows.append(f"{'optimizer':<32} {'':>12}  {optimizer}")
+    if plan.option is not None:
+        rows.append(
+            f"fit choice: {plan.option.label}, saves {_mb(plan.option.bytes_saved)} "
+            f"({plan.option.description})"
+        )
+    rows.append(
+        f"totals: device {_mb(plan.device_bytes)} of {_mb(budgets.device)} "
+        f"(activations get {_mb(plan.activation_budget)}); host {_mb(plan.host_bytes)} of "
+        f"{_mb(budgets.host)}; disk {_mb(plan.disk_bytes)}"
+    )
+    rows.extend(f"  {line}" for line in plan.reasons)
+    return "\n".join(rows)
+
+
+def memory_report(model: Any) -> dict[str, Any]:
+    """Where the state of a model ``sakura_offload.wrap`` (or the ``fit`` service)
+    prepared lives, in bytes by place and category, measured from the parts in use:
+    ``device`` (``trainable``, ``gradients``, ``frozen``, ``optimizer``,
+    ``activation_budget``), ``host`` (``frozen``: streamed blocks in RAM; ``optimizer``:
+    OffloadAdamW's moments and masters), ``disk`` (``frozen``), ``moved`` (bytes copied
+    per step by the optimizer, ``d2h_bytes_per_step`` / ``h2d_bytes_per_step``, and the
+    weight streaming's counters: blocks materialised so far, the most bytes of them live
+    at once), ``plan`` (the plan's summary) and ``activations`` (the memory planner's
+    table once it planned)."""
+    from sakura_offload.host_optimizer.optimizer import OffloadAdamW
+
+    state = getattr(model, "sakura_fit", None)
+    if state is None:
+        raise ValueError("memory_report: the model was not wrapped by sakura_offload.wrap / fit")
+    device = model_device_bytes(model)
+    host_optimizer = 0
+    moved: dict[str, int] = {}
+    optimizer = state.optimizer
+    while optimizer is not None and not isinstance(optimizer, OffloadAdamW):
+        optimizer = getattr(optimizer, "optimizer", None)
+    if optimizer is not None:
+        stats = optimizer.stats()
+        host_optimizer = int(stats["moment_bytes"]) + int(stats["master_bytes"])
+        moved["d2h_bytes_per_step"] = int(stats["d2h_bytes_per_step"])
+        moved["h2d_bytes_per_step"] = int(stats["h2d_bytes_per_step"])
+    elif state.optimizer is not None:
+        device["optimizer"] = sum(
+            v.numel() * v.element_size()
+            for s in state.optimizer.state.values()
+            for v in s.values()
+            if hasattr(v, "numel")
+        )
+    host_frozen = disk_frozen = 0
+    if state.paging is not None:
+        stats = state.paging.stats
+        disk_frozen = stats.disk_bytes
+        host_frozen = stats.paged_bytes - stats.disk_bytes
+        device["frozen"] -= stats.paged_bytes - stats.live_bytes  # (the stored copies)
+        moved["weight_blocks_materialised"] = stats.materialised
+        moved["weight_max_live_bytes"] = stats.max_live_bytes
+    device["activation_budget"] = state.plan.activation_budget
+    planner = state.planner
+    applied = getattr(planner, "applied", None)
+    return {
+        "plan": state.plan.summary(),
+        "device": device,
+        "host": {"frozen": host_frozen, "optimizer": host_optimizer},
+        "disk": {"frozen": disk_frozen},
+        "moved": moved,
+        "activations": None if applied is None else applied.table(),
+    }
+
+
+def model_device_bytes(model: Any) -> dict[str, Any]:
+    """Bytes of ``model``'s tensors on its device, by category (every frozen tensor counted:
+    :func:`memory_report` takes the streamed ones off)."""
+    params = list(model.parameters())
+    trainable = frozen = grads = 0
+    seen: set[int] = set()
+    for p in params:
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        size = p.numel() * p.element_size()
+        if p.requires_grad:
+            trainable += size
+            if p.grad is not None:
+                grads += p.grad.numel() * p.grad.element_size()
+        else:
+            frozen += size
+    for b in model.buffers():
+        frozen += b.numel() * b.element_size()
+    return {"trainable": trainable, "gradients": grads, "frozen": frozen, "optimizer": 0}

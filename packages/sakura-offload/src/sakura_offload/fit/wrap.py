@@ -1,0 +1,319 @@
+"""``wrap(model, optimizer)`` / ``unwrap(model)``: ``fit`` for a plain PyTorch loop.
+
+:func:`fit_options` checks the options (the ``fit`` service takes the same), :func:`measure`
+reads the model's sizes, :func:`plan_fit` decides (:mod:`.decide`) and :func:`apply_fit`
+applies the plan with the existing parts: the chosen fit option (a plugin's, e.g.
+sakura-quant's), :class:`~sakura_offload.WeightPaging`,
+:class:`~sakura_offload.OffloadAdamW` and :class:`~sakura_offload.MemoryPlanner`.  What was
+applied is kept on the model as ``model.sakura_fit`` (a :class:`FitState`), which
+:func:`unwrap` and :func:`~sakura_offload.fit.report.memory_report` read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from sakura.options import check_bool, check_choice, check_int, option_error
+from sakura_offload.fit.choices import FitChoice, FitOption, fit_choices
+from sakura_offload.fit.decide import Budgets, FitPlan, ModelSizes, decide
+from sakura_offload.fit.report import plan_table
+from sakura_offload.host_optimizer.options import check_moment_dtype
+from sakura_offload.host_optimizer.placement import default_moment_budget, host_ram
+from sakura_offload.paging.weight_store import frozen_block_bytes, frozen_tensors
+from sakura_offload.planner.decide import disk_budget
+from sakura_offload.planner.plan import parse_bytes
+from sakura_torch.blocks import find_blocks, validate_selector
+
+__all__ = ["FitState", "apply_fit", "fit_options", "measure", "plan_fit", "unwrap", "wrap"]
+
+_LOG = logging.getLogger("sakura_offload.fit")
+_ATTR = "sakura_fit"
+ACTIVATIONS = ("auto", "plan", "keep")
+
+
+@dataclass
+class FitState:
+    """What ``fit`` applied to a model."""
+
+    plan: FitPlan
+    choice: FitChoice | None
+    paging: Any
+    planner: Any
+    optimizer: Any
+    budgets: Budgets
+
+
+def fit_options(
+    *,
+    device_budget: Any = None,
+    host_budget: Any = None,
+    disk_offload: Any = None,
+    blocks: Any = None,
+    choices: Any = "auto",
+    moment_dtype: Any = "auto",
+    activations: Any = "auto",
+    activation_reserve: Any = 0,
+    prefetch: Any = 1,
+    cost_trials: Any = 3,
+    report: Any = True,
+    owner: str = "wrap",
+) -> dict[str, Any]:
+    """Every ``fit`` option checked (an OptionError names the option, the value and what
+    is accepted); returns them normalised."""
+    if disk_offload is not None and not isinstance(disk_offload, (str, os.PathLike)):
+        raise option_error("disk_offload", disk_offload, "None or a directory path", owner=owner)
+    if choices in (None, False, "none"):
+        names: tuple[str, ...] | None = ()
+    elif choices == "auto":
+        names = None
+    elif isinstance(choices, str):
+        names = tuple(c for c in choices.split("+") if c)
+    elif isinstance(choices, (list, tuple)) and all(isinstance(c, str) for c in choices):
+        names = tuple(choices)
+    else:
+        raise option_error(
+            "choices",
+            choices,
+            "'auto' (every registered fit choice), None / 'none', a choice name, names "
+            "joined by '+', or a list of names",
+            owner=owner,
+        )
+    check_choice("activations", activations, ACTIVATIONS, owner=owner)
+    return {
+        "device_budget": parse_bytes("device_budget", device_budget, minimum=1, allow_none=True,
+                                     owner=owner),
+        "host_budget": parse_bytes("host_budget", host_budget, allow_none=True, owner=owner),
+        "disk_offload": None if disk_offload is None else Path(disk_offload),
+        "blocks": validate_selector(blocks, owner=owner),
+        "choices": names,
+        "moment_dtype": check_moment_dtype(moment_dtype, owner=owner),
+        "activations": activations,
+        "activation_reserve": parse_bytes("activation_reserve", activation_reserve, owner=owner),
+        "prefetch": check_int("prefetch", prefetch, minimum=0, owner=owner),
+        "cost_trials": check_int("cost_trials", cost_trials, minimum=0, owner=owner),
+        "report": check_bool("report", report, owner=owner),
+    }  # fmt: skip
+
+
+def _device(model: nn.Module) -> torch.device:
+    for t in model.parameters():
+        return t.device
+    return torch.device("cpu")
+
+
+def _adamw_like(optimizer: Any) -> bool:
+    """Whether OffloadAdamW.from_optimizer takes ``optimizer``."""
+    if not isinstance(optimizer, torch.optim.Adam):
+        return False
+    decoupled = isinstance(optimizer, torch.optim.AdamW) or any(
+        g.get("decoupled_weight_decay", False) for g in optimizer.param_groups
+    )
+    return decoupled or not any(g.get("weight_decay", 0) for g in optimizer.param_groups)
+
+
+def _find_blocks(model: nn.Module, blocks: Any, owner: str) -> list[tuple[str, nn.Module]]:
+    try:
+        return find_blocks(model, blocks, owner=owner)
+    except ValueError:
+        if blocks is not None:
+            raise
+        return []  # no repeated stack: nothing to stream
+
+
+def measure(model: nn.Module, optimizer: Any = None, *, blocks: Any = None) -> ModelSizes:
+    """``model``'s sizes for :func:`~sakura_offload.fit.decide.decide`.  The optimizer's
+    device state is two tensors the size of each of its parameters for an Adam/AdamW (as
+    torch allocates them at the first step), else what it holds now."""
+    trainable = [p for p in model.parameters() if p.requires_grad]  # (shared ones once)
+    trainable_bytes = sum(p.numel() * p.element_size() for p in trainable)
+    frozen_total = sum(f.nbytes for f in frozen_tensors(model, set()))
+    found = _find_blocks(model, blocks, "wrap")
+    per_block = frozen_block_bytes(model, blocks) if found else []
+    if optimizer is None:
+        optimizer_bytes = 0
+    elif isinstance(optimizer, torch.optim.Adam):
+        optimizer_bytes = 2 * sum(
+            p.numel() * p.element_size() for g in optimizer.param_groups for p in g["params"]
+        )
+    else:
+        optimizer_bytes = sum(
+            v.numel() * v.element_size()
+            for state in optimizer.state.values()
+            for v in state.values()
+            if isinstance(v, torch.Tensor)
+        )
+    return ModelSizes(
+        trainable_bytes=trainable_bytes,
+        trainable_numel=sum(p.numel() for p in trainable),
+        master_bytes=sum(4 * p.numel() for p in trainable if p.dtype != torch.float32),
+        optimizer_bytes=optimizer_bytes,
+        host_optimizer=optimizer is not None and _adamw_like(optimizer),
+        outside_frozen_bytes=frozen_total - sum(b for _, b in per_block),
+        block_names=tuple(name for name, _ in per_block),
+        block_frozen=tuple(b for _, b in per_block),
+    )
+
+
+def _device_budget(model: nn.Module, given: int | None) -> int | None:
+    """The device budget: as given; on CUDA by default the free memory plus what the
+    model's tensors take there already (the plan counts them); on a CPU, no limit."""
+    if given is not None:
+        return given
+    device = _device(model)
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    on_device = sum(
+        t.numel() * t.element_size()
+        for t in [*model.parameters(), *model.buffers()]
+        if t.device == device
+    )
+    return int(free) + on_device
+
+
+def _disk_cap(directory: Path | None) -> int | None:
+    if directory is None:
+        return None
+    base = directory
+    while not base.exists() and base.parent != base:
+        base = base.parent
+    return disk_budget(base)
+
+
+def plan_fit(
+    model: nn.Module, optimizer: Any, options: dict[str, Any], *, assume_adamw: bool = False
+) -> tuple[FitPlan, dict[str, FitChoice], Budgets]:
+    """Measure and decide (no change to ``model``); the choices asked about, and the
+    budgets decided against.  ``assume_adamw``: the optimizer, not known yet, will be an
+    AdamW over the trainable parameters (the ``fit`` service decides before it sees it)."""
+    sizes = measure(model, optimizer, blocks=options["blocks"])
+    if assume_adamw and optimizer is None:
+        sizes = dataclasses.replace(
+            sizes, optimizer_bytes=2 * sizes.trainable_bytes, host_optimizer=True
+        )
+    host = options["host_budget"]
+    if host is None:
+        host = default_moment_budget(*host_ram())
+    budgets = Budgets(
+        device=_device_budget(model, options["device_budget"]),
+        host=host,
+        disk=_disk_cap(options["disk_offload"]),
+        activation_reserve=options["activation_reserve"],
+        prefetch=options["prefetch"],
+        moment_dtype=options["moment_dtype"],
+    )
+    names = options["choices"]
+    choices = fit_choices(names) if names != () else {}
+    offered: list[FitOption] = []
+    context = {"blocks": sizes.block_names, "device": _device(model)}
+    for choice in choices.values():
+        if choice.applies(model):
+            offered.extend(choice.estimate(model, **context))
+    return decide(sizes, budgets, offered), choices, budgets
+
+
+def apply_fit(
+    model: nn.Module,
+    optimizer: Any,
+    plan: FitPlan,
+    choices: dict[str, FitChoice],
+    budgets: Budgets,
+    options: dict[str, Any],
+) -> FitState:
+    """Apply ``plan`` to ``model`` (and ``optimizer``); record it as ``model.sakura_fit``."""
+    from sakura_offload.host_optimizer.optimizer import OffloadAdamW
+    from sakura_offload.paging.weights import WeightPaging
+    from sakura_offload.planner import MemoryPlanner
+
+    if getattr(model, _ATTR, None) is not None:
+        raise RuntimeError("fit: the model is wrapped already; call sakura_offload.unwrap first")
+    choice = None
+    if plan.option is not None:
+        choice = choices[plan.option.choice]
+        choice.apply(model, plan.option)
+    paging = None
+    disk = options["disk_offload"]
+    if plan.weights != "resident":
+        paging = WeightPaging(
+            model,
+            blocks=options["blocks"],
+            indices=plan.streamed_blocks,
+            prefetch=options["prefetch"],
+            disk_offload=disk if plan.weights == "disk" else None,
+            host_budget=plan.host_weight_bytes if plan.weights == "disk" else None,
+        )
+    if plan.optimizer == "host" and optimizer is not None:
+        optimizer = OffloadAdamW.from_optimizer(optimizer, moment_dtype=plan.moment_dtype)
+    planner = None
+    mode = options["activations"]
+    if mode == "plan" and plan.activation_budget is None:
+        raise option_error(
+            "activations", "plan", "'auto' or 'keep' without a device budget (on a CPU, give "
+            "device_budget=)", owner="wrap",
+        )  # fmt: skip
+    if mode != "keep" and plan.activation_budget is not None:
+        if plan.activation_budget < 1:
+            raise option_error(
+                "activation_reserve", budgets.activation_reserve,
+                "at least 1 byte left for activations under device_budget", owner="wrap",
+            )  # fmt: skip
+        if disk is not None:
+            disk.mkdir(parents=True, exist_ok=True)
+        planner = MemoryPlanner(
+            plan.activation_budget,
+            blocks=options["blocks"],
+            host_budget=max(0, budgets.host - plan.host_bytes),
+            disk=disk is not None,
+            directory=disk,
+            cost_trials=options["cost_trials"],
+        )
+        planner.on_planned = lambda p: _LOG.info("fit: activations\n%s", p.table())
+        planner.attach(model)
+    state = FitState(plan, choice, paging, planner, optimizer, budgets)
+    model.__dict__[_ATTR] = state
+    if options["report"]:
+        _LOG.info("fit: plan\n%s", plan_table(plan, budgets))
+    return state
+
+
+def wrap(model: nn.Module, optimizer: Any = None, **options: Any) -> tuple[nn.Module, Any]:
+    """Decide how ``model`` (and ``optimizer``) train within the memory budgets and apply
+    it; returns ``(model, optimizer)`` (the optimizer an OffloadAdamW when the plan puts it
+    on the host: use the one returned).  Options: ``device_budget`` (bytes or ``"2GiB"``;
+    default: CUDA's free memory, none on a CPU), ``host_budget`` (default: available RAM
+    less the floor), ``disk_offload`` (a directory: the disk tier for frozen weights and
+    activations), ``blocks``, ``choices`` (``"auto"``: every registered fit choice),
+    ``moment_dtype`` (``"auto"``), ``activations`` (``"auto"``: a memory planner when a
+    device budget is known; ``"plan"``; ``"keep"``), ``activation_reserve``, ``prefetch``,
+    ``cost_trials``, ``report``.  See ``docs/offload.md``, "fit"."""
+    if not isinstance(model, nn.Module):
+        raise option_error("model", type(model).__name__, "a torch.nn.Module", owner="wrap")
+    checked = fit_options(**options)
+    plan, choices, budgets = plan_fit(model, optimizer, checked)
+    state = apply_fit(model, optimizer, plan, choices, budgets, checked)
+    return model, state.optimizer
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """``model`` as an ordinary module again: the activation planner's hooks removed and
+    every streamed weight back on the device.  A fit option that cannot be undone (a
+    quantized base: sakura-quant's choice is not reversible) stays applied.  The optimizer
+    ``wrap`` returned stays what it is."""
+    state = model.__dict__.pop(_ATTR, None)
+    if state is None:
+        raise ValueError("unwrap: the model was not wrapped by sakura_offload.wrap")
+    if state.planner is not None:
+        state.planner.remove()
+    if state.paging is not None:
+        state.paging.remove()
+    if state.choice is not None and state.choice.reversible:
+        state.choice.undo(model)
+    return model
