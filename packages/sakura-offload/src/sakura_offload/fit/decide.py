@@ -281,29 +281,33 @@ def _why_not(plan: FitPlan, budgets: Budgets) -> str:
 
 
 def _no_fit(tried: Sequence[FitPlan], budgets: Budgets) -> FitError:
-    device = budgets.device if budgets.device is not None else 0
-    host_ok = [
-        p
-        for p in tried
-        if p.host_bytes <= budgets.host and (budgets.disk is None or p.disk_bytes <= budgets.disk)
-    ]
-    if host_ok:  # the device is the limit
-        best = min(host_ok, key=lambda p: p.device_bytes)
+    """The error for budgets nothing fits: the device budget of the smallest plan when the
+    device is the limit (and that plan's host budget when host RAM is too), else the
+    smallest host budget among the plans the device budget holds."""
+    device = budgets.device
+    small = min(tried, key=lambda p: (p.device_bytes, p.host_bytes))
+    disk_hint = "" if budgets.disk is not None else " (or give disk_offload=DIR)"
+    if device is not None and device < small.device_bytes:
+        host_min = small.host_bytes if small.host_bytes > budgets.host else None
         return FitError(
-            f"fit: no plan fits device_budget={_gib(device)}; the smallest plan ({_describe(best)}) "
-            f"needs device_budget >= {_gib(best.device_bytes)} (activations come on top: "
-            "the memory planner measures them at the first step)",
+            f"fit: no plan fits device_budget={_gib(device)}; the smallest plan "
+            f"({_describe(small)}) needs device_budget >= {_gib(small.device_bytes)}"
+            + ("" if host_min is None else f" and host_budget >= {_gib(host_min)}{disk_hint}")
+            + " (activations come on top: the memory planner measures them at the first step)",
             budget=device,
-            minimum=best.device_bytes,
+            minimum=small.device_bytes,
+            host_minimum=host_min,
         )
-    best = min(tried, key=lambda p: (p.host_bytes, p.device_bytes))
+    held = [p for p in tried if device is None or p.device_bytes <= device]
+    best = min(held, key=lambda p: (p.host_bytes, p.device_bytes))
     return FitError(
         f"fit: no plan fits host_budget={_gib(budgets.host)}"
         + ("" if budgets.disk is None else f" and a disk tier of {_gib(budgets.disk)}")
-        + f"; the smallest plan ({_describe(best)}) needs host_budget >= {_gib(best.host_bytes)}"
-        + f" and device_budget >= {_gib(best.device_bytes)}"
-        + ("" if budgets.disk is not None else " (or give disk_offload=DIR)"),
-        budget=device,
+        + f"; the smallest plan the device budget holds ({_describe(best)}) needs "
+        f"host_budget >= {_gib(best.host_bytes)}"
+        + (f" and {_gib(best.disk_bytes)} on disk" if best.disk_bytes else "")
+        + disk_hint,
+        budget=device or 0,
         minimum=best.device_bytes,
         host_minimum=best.host_bytes,
     )

@@ -275,13 +275,19 @@ def apply_fit(
             directory=disk,
             cost_trials=options["cost_trials"],
         )
-        planner.on_planned = lambda p: _LOG.info("fit: activations\n%s", p.table())
+        # The planner decides after its measuring forward when someone listens; it logs
+        # its table itself (logger sakura_offload.planner).
+        planner.on_planned = _planned
         planner.attach(model)
     state = FitState(plan, choice, paging, planner, optimizer, budgets)
     model.__dict__[_ATTR] = state
     if options["report"]:
         _LOG.info("fit: plan\n%s", plan_table(plan, budgets))
     return state
+
+
+def _planned(plan: Any) -> None:
+    _LOG.debug("fit: activations planned: %s", plan.choices)
 
 
 def wrap(model: nn.Module, optimizer: Any = None, **options: Any) -> tuple[nn.Module, Any]:

@@ -1,0 +1,94 @@
+"""``fit`` beyond the weights and the optimizer: the activations planned in what the device
+budget leaves (the memory planner's choices, bit-identical to plain training on a CPU), the
+``fit`` service under a raw loop through ``SakuraRuntime`` (equal to the same choices by
+hand), ``unwrap`` and ``memory_report``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from test_fit import HUGE, adamw, assert_same, by_hand, ladder, lora_llama, train, trained
+
+import sakura_offload
+from sakura import SakuraRuntime
+from sakura_offload.fit import FitService
+
+pytest.importorskip("peft")
+pytest.importorskip("transformers")
+
+KEPT_PEAK = 117_120 + 40_000
+"""Device bytes for activations between every block recomputed (117120 measured) and
+everything kept (about 0.2 MB) for the tiny model's batch."""
+
+
+def test_activations_get_what_the_device_budget_leaves() -> None:
+    plain = lora_llama()
+    train(plain, adamw(plain))
+    plans = ladder(lora_llama())
+    model = lora_llama()
+    model, optimizer = sakura_offload.wrap(
+        model, adamw(model), device_budget=plans[0].device_bytes + KEPT_PEAK, cost_trials=0
+    )
+    state = model.sakura_fit
+    assert state.plan.activation_budget == KEPT_PEAK
+    assert state.planner.budget == KEPT_PEAK
+    train(model, optimizer)
+    choices = state.planner.applied.choices
+    assert set(choices.values()) - {"keep"}, choices  # something paged or recomputed
+    assert_same(trained(model), trained(plain))
+    report = sakura_offload.memory_report(model)
+    assert report["device"]["activation_budget"] == KEPT_PEAK
+    assert "recompute" in report["activations"] or "page" in report["activations"]
+    sakura_offload.unwrap(model)
+    assert state.planner.model is None  # the planner's hooks are gone
+
+
+def _runtime_training(spec: str) -> tuple[dict[str, torch.Tensor], Any]:
+    model = lora_llama()
+    with SakuraRuntime(strict=True) as rt:
+        service = rt.install(spec)
+        assert isinstance(service, FitService)
+        model, optimizer = rt.prepare(model, adamw(model))
+        g = torch.Generator().manual_seed(3)
+        for _ in range(3):
+            ids = torch.randint(0, 61, (2, 12), generator=g)
+            rt.backward(model(input_ids=ids, labels=ids).loss)
+            if not rt.optimizer_step(optimizer):
+                optimizer.step()
+            optimizer.zero_grad()
+        result = trained(model)
+        plan = service.state.plan if service.state is not None else None
+    return result, plan
+
+
+def test_service_in_a_raw_loop_matches_the_choices_by_hand() -> None:
+    plans = ladder(lora_llama())
+    device = plans[2].device_bytes  # weights streamed from host, optimizer on the host
+    result, plan = _runtime_training(
+        f"fit:device_budget={device},host_budget={HUGE},activations=keep,report=false"
+    )
+    assert (plan.optimizer, plan.weights, plan.moment_dtype) == ("host", "host", "float32")
+    assert_same(result, by_hand(plan))
+
+
+def test_service_options_are_checked() -> None:
+    with pytest.raises(ValueError, match="FitService: prefetch=-1 is not accepted"):
+        FitService(prefetch=-1)
+    with pytest.raises(ValueError, match="device_budget='x'"):
+        FitService("x")
+
+
+def test_unwrap_puts_every_weight_back() -> None:
+    plans = ladder(lora_llama())
+    model = lora_llama()
+    reference = {n: t.clone() for n, t in model.state_dict().items()}
+    model, _ = sakura_offload.wrap(
+        model, adamw(model), device_budget=plans[2].device_bytes, activations="keep"
+    )
+    assert model.sakura_fit.paging.stats.paged_bytes > 0
+    sakura_offload.unwrap(model)
+    assert_same({n: t for n, t in model.state_dict().items()}, reference)
+    with pytest.raises(ValueError, match="not wrapped"):
+        sakura_offload.unwrap(model)
