@@ -23,6 +23,8 @@ pytest.importorskip("transformers")
 LAYERS = 3
 STEPS = 3
 HUGE = 2**40
+CHOICES = "quantize_base"
+"""The fit choices these tests allow (another installed distribution may offer more)."""
 
 
 def lora_llama() -> Any:
@@ -124,7 +126,7 @@ def by_hand(plan: Any, tmp: Path | None = None) -> dict[str, torch.Tensor]:
 def fitted(tmp: Path | None = None, **options: Any) -> tuple[Any, dict[str, torch.Tensor]]:
     model = lora_llama()
     model, optimizer = sakura_offload.wrap(
-        model, adamw(model), activations="keep", disk_offload=tmp, **options
+        model, adamw(model), activations="keep", disk_offload=tmp, choices=CHOICES, **options
     )
     train(model, optimizer)
     state = model.sakura_fit
@@ -227,10 +229,14 @@ def test_budget_below_the_smallest_plan_names_it() -> None:
     smallest = min(p.device_bytes for p in plans)
     model = lora_llama()
     with pytest.raises(FitError, match=f"device_budget >= .*{smallest} bytes") as info:
-        sakura_offload.wrap(model, adamw(model), device_budget=smallest - 1, activations="keep")
+        sakura_offload.wrap(
+            model, adamw(model), device_budget=smallest - 1, activations="keep", choices=CHOICES
+        )
     assert info.value.minimum == smallest
     assert not hasattr(model, "sakura_fit")
-    model, _ = sakura_offload.wrap(model, adamw(model), device_budget=smallest, activations="keep")
+    model, _ = sakura_offload.wrap(
+        model, adamw(model), device_budget=smallest, activations="keep", choices=CHOICES
+    )
     assert model.sakura_fit.plan.option.name == "nf4"
 
 
