@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from sakura_fit_choice_example import BF16Base
+from sakura_fit_choice_example.choice import BF16Base
 from torch import nn
 
 import sakura_offload
