@@ -92,3 +92,57 @@ def test_unwrap_puts_every_weight_back() -> None:
     assert_same({n: t for n, t in model.state_dict().items()}, reference)
     with pytest.raises(ValueError, match="not wrapped"):
         sakura_offload.unwrap(model)
+
+
+def test_service_under_lightning_matches_the_choices_by_hand(tmp_path: Any) -> None:
+    pl = pytest.importorskip("lightning.pytorch")
+    from torch.utils.data import DataLoader
+
+    from sakura_adapters.lightning import LightningAdapter
+
+    g = torch.Generator().manual_seed(5)
+    rows = [{"input_ids": r, "labels": r} for r in torch.randint(0, 61, (6, 12), generator=g)]
+
+    class Module(pl.LightningModule):  # type: ignore[misc]
+        def __init__(self, make_optimizer: Any) -> None:
+            super().__init__()
+            self.model = lora_llama()
+            self.make_optimizer = make_optimizer
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.model(**batch).loss  # type: ignore[no-any-return]
+
+        def configure_optimizers(self) -> Any:
+            return self.make_optimizer(self)
+
+    def fit(module: Any, rt: SakuraRuntime | None) -> dict[str, torch.Tensor]:
+        trainer = pl.Trainer(
+            max_steps=3,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            default_root_dir=str(tmp_path),
+            accelerator="cpu",
+            devices=1,
+            callbacks=[LightningAdapter(rt)] if rt is not None else [],
+        )
+        trainer.fit(module, DataLoader(rows, batch_size=2, shuffle=False))
+        return trained(module.model)
+
+    device = ladder(lora_llama())[2].device_bytes  # streamed from host, host optimizer
+    by_hand = Module(
+        lambda m: sakura_offload.OffloadAdamW.from_optimizer(adamw(m), moment_dtype="float32")
+    )
+    paging = sakura_offload.WeightPaging(by_hand.model)
+    expected = fit(by_hand, None)
+    paging.remove()
+    with SakuraRuntime(strict=True) as rt:
+        service = rt.install(
+            f"fit:device_budget={device},host_budget={HUGE},activations=keep,report=false"
+        )
+        result = fit(Module(adamw), rt)
+    plan = service.state.plan
+    assert (plan.optimizer, plan.weights, plan.moment_dtype) == ("host", "host", "float32")
+    assert isinstance(service.state.optimizer, sakura_offload.OffloadAdamW)
+    assert_same(result, expected)
