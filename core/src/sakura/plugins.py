@@ -99,6 +99,8 @@ KNOWN_PROVIDERS: dict[str, str] = {
     "OffloadAdamWService": "sakura-offload",
     "memory_plan": "sakura-offload",
     "MemoryPlannerService": "sakura-offload",
+    "fit": "sakura-offload",
+    "FitService": "sakura-offload",
 }
 """Names provided by first-party packages (spec names and facade class names), so a
 missing one says what to install.  ``core/tests/test_known_providers.py`` checks it against
