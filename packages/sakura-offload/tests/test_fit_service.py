@@ -146,3 +146,21 @@ def test_service_under_lightning_matches_the_choices_by_hand(tmp_path: Any) -> N
     assert (plan.optimizer, plan.weights, plan.moment_dtype) == ("host", "host", "float32")
     assert isinstance(service.state.optimizer, sakura_offload.OffloadAdamW)
     assert_same(result, expected)
+
+
+def test_activations_that_cannot_fit_name_the_whole_device_budget() -> None:
+    from sakura_offload.fit import FitError
+
+    plans = ladder(lora_llama())
+    fixed = plans[0].device_bytes
+    model = lora_llama()
+    start = trained(model)
+    model, optimizer = sakura_offload.wrap(
+        model, adamw(model), device_budget=fixed + 1000, cost_trials=0
+    )
+    with pytest.raises(FitError, match="the activations do not fit") as info:
+        train(model, optimizer)  # the first forward measures the activations
+    least = info.value.__cause__.minimum  # the planner's: every block recomputed
+    assert least == 117_120 and info.value.minimum == fixed + least
+    assert f"device_budget >= {fixed + least} bytes" in str(info.value)
+    assert_same(trained(model), start)  # no step was taken

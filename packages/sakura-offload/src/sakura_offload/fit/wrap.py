@@ -23,7 +23,7 @@ from torch import nn
 
 from sakura.options import check_bool, check_choice, check_int, option_error
 from sakura_offload.fit.choices import FitChoice, FitOption, fit_choices
-from sakura_offload.fit.decide import Budgets, FitPlan, ModelSizes, decide
+from sakura_offload.fit.decide import Budgets, FitError, FitPlan, ModelSizes, decide
 from sakura_offload.fit.report import plan_table
 from sakura_offload.host_optimizer.options import check_moment_dtype
 from sakura_offload.host_optimizer.placement import default_moment_budget, host_ram
@@ -231,7 +231,6 @@ def apply_fit(
     """Apply ``plan`` to ``model`` (and ``optimizer``); record it as ``model.sakura_fit``."""
     from sakura_offload.host_optimizer.optimizer import OffloadAdamW
     from sakura_offload.paging.weights import WeightPaging
-    from sakura_offload.planner import MemoryPlanner
 
     if getattr(model, _ATTR, None) is not None:
         raise RuntimeError("fit: the model is wrapped already; call sakura_offload.unwrap first")
@@ -267,7 +266,7 @@ def apply_fit(
             )  # fmt: skip
         if disk is not None:
             disk.mkdir(parents=True, exist_ok=True)
-        planner = MemoryPlanner(
+        planner = _activation_planner(plan.device_bytes)(
             plan.activation_budget,
             blocks=options["blocks"],
             host_budget=max(0, budgets.host - plan.host_bytes),
@@ -284,6 +283,32 @@ def apply_fit(
     if options["report"]:
         _LOG.info("fit: plan\n%s", plan_table(plan, budgets))
     return state
+
+
+def _activation_planner(fixed: int) -> Any:
+    """``MemoryPlanner`` whose budget error (raised at the first training forward, when the
+    activations are measured: before any optimizer step) is a :class:`FitError` naming the
+    whole device budget that would fit: the plan's ``fixed`` bytes plus the activations'
+    least peak."""
+    from sakura_offload.planner import MemoryBudgetError, MemoryPlan, MemoryPlanner
+
+    class FitPlanner(MemoryPlanner):
+        def decide(self, choices: Any = None) -> MemoryPlan:
+            try:
+                return super().decide(choices)
+            except FitError:
+                raise
+            except MemoryBudgetError as error:
+                total = fixed + error.minimum
+                raise FitError(
+                    f"fit: the activations do not fit what the plan leaves of the device "
+                    f"budget ({error.budget} bytes); they need at least {error.minimum}, so "
+                    f"device_budget >= {total} bytes would fit ({error})",
+                    budget=fixed + error.budget,
+                    minimum=total,
+                ) from error
+
+    return FitPlanner
 
 
 def _planned(plan: Any) -> None:
