@@ -1,7 +1,7 @@
 """``fit`` beyond the weights and the optimizer: the activations planned in what the device
 budget leaves (the memory planner's choices, bit-identical to plain training on a CPU), the
-``fit`` service under a raw loop through ``SakuraRuntime`` (equal to the same choices by
-hand), ``unwrap`` and ``memory_report``."""
+``fit`` service under a raw loop through ``SakuraRuntime``, Lightning and the Hugging Face
+Trainer (each equal to the same choices by hand), ``unwrap`` and ``memory_report``."""
 
 from __future__ import annotations
 
@@ -146,6 +146,8 @@ def test_service_under_lightning_matches_the_choices_by_hand(tmp_path: Any) -> N
     assert (plan.optimizer, plan.weights, plan.moment_dtype) == ("host", "host", "float32")
     assert isinstance(service.state.optimizer, sakura_offload.OffloadAdamW)
     assert_same(result, expected)
+    start = trained(lora_llama())
+    assert all(not torch.equal(start[n], expected[n]) for n in start)  # it trained
 
 
 def test_activations_that_cannot_fit_name_the_whole_device_budget() -> None:
@@ -164,3 +166,49 @@ def test_activations_that_cannot_fit_name_the_whole_device_budget() -> None:
     assert least == 117_120 and info.value.minimum == fixed + least
     assert f"device_budget >= {fixed + least} bytes" in str(info.value)
     assert_same(trained(model), start)  # no step was taken
+
+
+def test_service_under_the_hf_trainer_matches_the_choices_by_hand(tmp_path: Any) -> None:
+    pytest.importorskip("accelerate")
+    from transformers import Trainer, TrainingArguments
+
+    from sakura_adapters.hf import SakuraTrainer
+
+    g = torch.Generator().manual_seed(5)
+    rows = [{"input_ids": r, "labels": r} for r in torch.randint(0, 61, (6, 12), generator=g)]
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=2,
+        max_steps=3,
+        learning_rate=1e-2,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        seed=0,
+    )
+    device = ladder(lora_llama())[2].device_bytes  # streamed from host, host optimizer
+    by_hand = lora_llama()
+    paging = sakura_offload.WeightPaging(by_hand)
+    optimizer = sakura_offload.OffloadAdamW.from_optimizer(
+        torch.optim.AdamW(
+            [p for p in by_hand.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0
+        ),
+        moment_dtype="float32",
+        eager=False,  # the Trainer clips after backward
+    )
+    Trainer(model=by_hand, args=args, train_dataset=rows, optimizers=(optimizer, None)).train()
+    expected = trained(by_hand)
+    paging.remove()
+    rt = SakuraRuntime(strict=True)
+    service = rt.install(
+        f"fit:device_budget={device},host_budget={HUGE},activations=keep,report=false"
+    )
+    model = lora_llama()
+    SakuraTrainer(model=model, args=args, train_dataset=rows, runtime=rt).train()
+    plan = service.state.plan
+    assert (plan.optimizer, plan.weights, plan.moment_dtype) == ("host", "host", "float32")
+    assert_same(trained(model), expected)
+    start = trained(lora_llama())
+    assert all(not torch.equal(start[n], expected[n]) for n in start)  # it trained
