@@ -15,6 +15,7 @@ import torch
 
 import sakura_offload
 from sakura_offload.fit.decide import Budgets, FitError, candidates
+from sakura_offload.fit.report import plan_table
 from sakura_offload.fit.wrap import measure
 
 pytest.importorskip("peft")
@@ -199,6 +200,11 @@ def test_weights_streamed_from_disk(tmp_path: Path) -> None:
     assert plan.block_tiers == ("host",) + ("disk",) * (LAYERS - 1)
     stats = state.paging.stats
     assert stats.disk_bytes == sum(plan.sizes.block_frozen[1:]) == plan.disk_bytes
+    table = plan_table(plan, state.budgets)
+    lines = table.splitlines()
+    assert "layers.0" in lines[1] and "streamed from host RAM" in lines[1]
+    assert all("streamed from disk" in line for line in lines[2 : 1 + LAYERS])
+    assert "host RAM (float32 moments)" in table and "totals: device" in table
     report = sakura_offload.memory_report(state.paging.model)
     assert report["disk"]["frozen"] == plan.disk_bytes
     assert report["host"]["frozen"] == plan.sizes.block_frozen[0]

@@ -31,12 +31,12 @@ def plan_table(plan: FitPlan, budgets: Budgets) -> str:
     rows.append(
         f"{'trainable (+ gradients)':<32} {_mb(2 * plan.sizes.trainable_bytes):>12}  device"
     )
-    optimizer = (
-        f"host, {plan.moment_dtype} moments"
-        if plan.optimizer == "host"
-        else "device"
-    )  # fmt: skip
-    rows.append(f"{'optimizer':<32} {'':>12}  {optimizer}")
+    if plan.optimizer == "host":
+        state = plan.host_bytes - plan.host_weight_bytes
+        where = f"host RAM ({plan.moment_dtype} moments): {plan.moment_reason}"
+    else:
+        state, where = plan.sizes.optimizer_bytes, "device: the device budget holds it"
+    rows.append(f"{'optimizer state':<32} {_mb(state):>12}  {where}")
     if plan.option is not None:
         rows.append(
             f"fit choice: {plan.option.label}, saves {_mb(plan.option.bytes_saved)} "
