@@ -73,6 +73,19 @@ def test_service_in_a_raw_loop_matches_the_choices_by_hand() -> None:
     assert_same(result, by_hand(plan))
 
 
+def test_service_spec_options() -> None:
+    service = SakuraRuntime().install(
+        "fit:device_budget=2GiB,host_budget=8GiB,disk_offload=/tmp/fit-x,"
+        "choices=quantize_base+other,moment_dtype=bf16,report=false"
+    )
+    options = service.options
+    assert (options["device_budget"], options["host_budget"]) == (2 * 2**30, 8 * 2**30)
+    assert str(options["disk_offload"]) == "/tmp/fit-x"
+    assert options["choices"] == ("quantize_base", "other")
+    assert (options["moment_dtype"], options["report"]) == ("bfloat16", False)
+    assert SakuraRuntime().install("fit:512MiB").options["device_budget"] == 2**29
+
+
 def test_service_options_are_checked() -> None:
     with pytest.raises(ValueError, match="FitService: prefetch=-1 is not accepted"):
         FitService(prefetch=-1)
