@@ -26,11 +26,12 @@ from sakura_offload.fit.choices import FitChoice, FitOption, fit_choices
 from sakura_offload.fit.decide import Budgets, FitError, FitPlan, ModelSizes, decide
 from sakura_offload.fit.report import plan_table
 from sakura_offload.host_optimizer.options import check_moment_dtype
-from sakura_offload.host_optimizer.placement import default_moment_budget, host_ram
+from sakura_offload.host_optimizer.placement import default_moment_budget
 from sakura_offload.paging.weight_store import frozen_block_bytes, frozen_tensors
 from sakura_offload.planner.decide import disk_budget
 from sakura_offload.planner.plan import parse_bytes
 from sakura_torch.blocks import find_blocks, validate_selector
+from sakura_torch.host_memory import host_ram
 
 __all__ = ["FitState", "apply_fit", "fit_options", "measure", "plan_fit", "unwrap", "wrap"]
 

@@ -4,7 +4,7 @@ updates start during backward (``eager=None``).
 
 Each decision is a pure function of the figures it is given (bytes the state would take,
 host RAM, whether CUDA is present), so tests force every branch with injected figures;
-:func:`host_ram` measures the machine (:mod:`sakura_torch.host_memory`, as the planner does).
+:func:`sakura_torch.host_memory.host_ram` measures the machine, as for the planner.
 A decision is a :class:`Decision`: the value and a sentence saying why, which
 ``OffloadAdamW.stats()`` reports.
 """
@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from sakura_torch.host_memory import host_ram
+
 __all__ = [
     "MOMENT_BYTES",
     "PIN_FRACTION",
@@ -27,7 +29,6 @@ __all__ = [
     "choose_pinning",
     "default_moment_budget",
     "distributed",
-    "host_ram",
     "moment_bytes",
     "place",
     "ram_floor",
@@ -63,14 +64,6 @@ class Placement:
     pin: Decision
     eager: Decision
     host_budget: int
-
-
-def host_ram() -> tuple[int, int]:
-    """(available, total) bytes of host RAM (:func:`sakura_torch.host_memory.host_ram`, the
-    reading the memory planner uses too)."""
-    from sakura_torch.host_memory import host_ram as read
-
-    return read()
 
 
 def distributed() -> bool:

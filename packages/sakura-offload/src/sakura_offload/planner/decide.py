@@ -38,15 +38,10 @@ from sakura_torch.host_memory import host_ram
 __all__ = ["Search", "choose", "default_host_budget", "disk_budget", "given_choices"]
 
 
-def _host_ram() -> tuple[int, int]:
-    """(available, total) bytes of host RAM (:func:`sakura_torch.host_memory.host_ram`)."""
-    return host_ram()
-
-
 def default_host_budget() -> int:
     """Host RAM that paging may use: at most 60 % of what is available, always leaving
     10 % of physical RAM (at least 4 GiB) free."""
-    available, total = _host_ram()
+    available, total = host_ram()
     margin = max(total // 10, 4 * 2**30)
     return max(0, min(int(available * 0.6), available - margin))
 
