@@ -1,0 +1,203 @@
+"""The model, data and by-hand reference of test_composition.py, and one rank of its ZeRO1
+case (run as a script through sakura.testing.launch_ranks).
+
+The model: a config-built 3-layer Llama (hidden 64, vocab 128) with PEFT LoRA on its
+attention projections; the "choices": its frozen base quantized to NF4, the base's frozen
+tensors (codes, scales, norms) streamed per block by ``WeightPaging``, saved activations
+kept / paged / recomputed per block (``MemoryPlanner``, or sakura-precision's
+``ActivationCheckpoint`` on every block) and the LoRA weights stepped by ``OffloadAdamW``.
+
+As a rank: two copies of the model on every rank see the same DDP-averaged gradients: one
+prepared by ``rt.prepare`` under ``quant:nf4`` + weight paging + ``activation_checkpoint``
++ ``offload_adamw`` + ``ZeRO1`` (each rank updates its shard of the LoRA weights on the
+host, then the shards are broadcast), the other with the same choices by hand and an
+unsharded ``OffloadAdamW``.  The rank writes the largest difference after every step to
+``<out>/rank<R>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sakura import Service
+
+STEPS = 4
+BATCH = 2
+LAYERS = 3
+VOCAB = 128
+LR = 1e-2
+
+
+def lora_llama() -> Any:
+    """The tiny Llama with LoRA (r=4) on q/k/v/o, its base frozen and not yet quantized;
+    the LoRA B matrices start non-zero so every LoRA weight trains from step one."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_cache=False,
+        attn_implementation="eager",
+    )
+    model = LlamaForCausalLM(config).requires_grad_(False)
+    model = get_peft_model(
+        model,
+        LoraConfig(
+            r=4,
+            lora_alpha=8,
+            lora_dropout=0.0,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        ),
+    )
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    model.train()
+    return model
+
+
+def rows(seed: int = 3) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (STEPS * BATCH, 16), generator=g)
+    return [{"input_ids": row, "labels": row} for row in ids]
+
+
+def batches(seed: int = 3) -> list[dict[str, torch.Tensor]]:
+    data = rows(seed)
+    return [
+        {k: torch.stack([r[k] for r in data[i : i + BATCH]]) for k in ("input_ids", "labels")}
+        for i in range(0, len(data), BATCH)
+    ]
+
+
+def trainable(model: Any) -> list[tuple[str, torch.Tensor]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+class StreamWeights(Service):
+    """``WeightPaging`` has no service of its own: under a framework a user applies it in
+    a service's ``wrap_model``, after ``quant`` (priority 5) so the quantized base is what
+    streams, and before ``memory_plan`` (60) / ``activation_checkpoint``."""
+
+    name = "stream_weights"
+    priority: float = 10
+
+    def __init__(self) -> None:
+        self.paging: Any = None
+
+    def wrap_model(self, model: Any) -> Any:
+        from sakura_offload.paging.weights import WeightPaging
+
+        if self.paging is None:
+            self.paging = WeightPaging(model, prefetch=1)
+        return model
+
+
+def by_hand(
+    model: Any,
+    *,
+    planner: Any = None,
+    checkpoint: bool = False,
+    weight_decay: float = 0.01,
+) -> tuple[Any, Any, Any]:
+    """The choices applied by hand, in the services' order: quantize, stream the frozen
+    weights, plan (or checkpoint) the activations, and an OffloadAdamW on the trainable
+    parameters.  Returns (paging, planner or checkpointer, optimizer)."""
+    import sakura_quant
+    from sakura_offload import OffloadAdamW
+    from sakura_offload.paging.weights import WeightPaging
+
+    sakura_quant.quantize_model(model, "nf4")
+    paging = WeightPaging(model, prefetch=1)
+    activations: Any = None
+    if planner is not None:
+        activations = planner.attach(model)
+    elif checkpoint:
+        from sakura_precision.activation_checkpoint import ActivationCheckpoint
+
+        activations = ActivationCheckpoint()
+        activations.wrap_model(model)
+    optimizer = OffloadAdamW(
+        [p for _, p in trainable(model)], lr=LR, weight_decay=weight_decay, eager=False
+    )
+    return paging, activations, optimizer
+
+
+def main() -> None:
+    import copy
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from sakura import SakuraRuntime
+    from sakura_zero import ZeRO1
+
+    rank, world, init_file, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    sharded_net = lora_llama()
+    plain_net = copy.deepcopy(sharded_net)
+    paging, _, plain = by_hand(plain_net, checkpoint=True)
+    streamed = StreamWeights()
+    diffs: list[float] = []
+    with SakuraRuntime(strict=True) as rt:
+        rt.install("quant:nf4")
+        rt.install(streamed)
+        rt.install("activation_checkpoint")
+        rt.install("offload_adamw")
+        rt.install(ZeRO1())
+        net, sharded = rt.prepare(
+            sharded_net,
+            torch.optim.AdamW([p for _, p in trainable(sharded_net)], lr=LR, weight_decay=0.01),
+        )
+        # DDP after the services changed the model: it sees the quantized, streamed base.
+        # Its buffers (the base's codes and scales) are frozen: no broadcast each step.
+        sharded_model = DDP(net, broadcast_buffers=False)
+        plain_model = DDP(plain_net, broadcast_buffers=False)
+        for batch in batches(seed=10 + rank):
+            for model, optimizer in ((sharded_model, sharded), (plain_model, plain)):
+                optimizer.zero_grad()
+                model(**batch).loss.backward()
+            if not rt.optimizer_step(sharded):
+                sharded.step()
+            plain.step()
+            diffs.append(
+                max(
+                    (a - b).abs().max().item()
+                    for (_, a), (_, b) in zip(
+                        trainable(sharded_net), trainable(plain_net), strict=True
+                    )
+                )
+            )
+        held = len(sharded.state)
+        from sakura.marks import RECOMPUTED, has_mark
+
+        recomputed = [sum(has_mark(m, RECOMPUTED) for m in n.modules()) for n in (net, plain_net)]
+    result = {
+        "type": type(sharded).__name__,
+        "diffs": diffs,
+        "held_states": held,
+        "total_trainable": len(trainable(sharded_net)),
+        "paged_buffers": streamed.paging.stats.paged_buffers,
+        "by_hand_paged_buffers": paging.stats.paged_buffers,
+        "materialised": streamed.paging.stats.materialised,
+        "recomputed_blocks": recomputed,
+    }
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

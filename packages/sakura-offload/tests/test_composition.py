@@ -1,0 +1,231 @@
+"""Composition: a quantized (NF4) frozen base streamed per block by ``WeightPaging``, saved
+activations planned per block (``memory_plan``: keep / page / recompute) or checkpointed
+(``activation_checkpoint``) and ``OffloadAdamW`` stepping the LoRA weights, all installed
+as services, give the same LoRA weights as the same choices applied by hand in a plain
+loop: under a real ``lightning.Trainer``, a real ``transformers.Trainer``, a raw loop
+(``DDPAdapter``) and ZeRO1 on 2 gloo ranks.  The model, data and by-hand reference are in
+``_composition_rank.py`` (shared with the rank worker)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _composition_rank import (
+    BATCH,
+    LR,
+    STEPS,
+    StreamWeights,
+    batches,
+    by_hand,
+    lora_llama,
+    rows,
+    trainable,
+)
+
+from sakura import SakuraRuntime
+
+pytest.importorskip("peft")
+pytest.importorskip("transformers")
+pytest.importorskip("sakura_quant")
+
+from sakura_offload import OffloadAdamW
+from sakura_offload.planner import MemoryPlanner
+from sakura_offload.planner.service import MemoryPlannerService
+
+PLANNER = {"min_bytes": 1024, "cost_trials": 0, "host_bandwidth": 1e9, "disk": False}
+"""Estimated costs (no timing: the plan is the same on a loaded machine); host paging and
+recomputation only.  Every choice is bit-identical, so the plan cannot change the result."""
+
+
+def budget() -> int:
+    """Halfway between the least reachable peak and keeping everything, measured on the
+    quantized, streamed model: a plan that mixes keep with page / recompute."""
+    model = lora_llama()
+    by_hand(model)
+    batch = batches()[0]
+    plan = MemoryPlanner(10**12, **PLANNER).plan(model, lambda: model(**batch).loss)
+    assert plan.least_peak < plan.keep_peak
+    return (plan.keep_peak + plan.least_peak) // 2
+
+
+def planner(limit: int) -> MemoryPlanner:
+    return MemoryPlanner(limit, **PLANNER, track=True)
+
+
+def reference(limit: int, *, weight_decay: float = 0.01) -> Any:
+    """The plain loop: the choices by hand, STEPS AdamW steps on the batches in order."""
+    model = lora_llama()
+    paging, plan, optimizer = by_hand(model, planner=planner(limit), weight_decay=weight_decay)
+    for step, batch in enumerate(batches()):
+        optimizer.zero_grad()
+        model(**batch).loss.backward()
+        optimizer.step()
+        if step == 1:  # two measured steps, as the service's measure_steps=2
+            plan.decide()
+    assert plan.applied is not None and set(plan.applied.choices.values()) != {"keep"}
+    paging.check_released()
+    return model
+
+
+def services(rt: SakuraRuntime, limit: int) -> tuple[StreamWeights, MemoryPlannerService, Any]:
+    rt.install("quant:nf4")
+    streamed = rt.install(StreamWeights())
+    planned = rt.install(
+        MemoryPlannerService(limit, **PLANNER, track=True, measure_steps=2, report=False)
+    )
+    offload = rt.install("offload_adamw")
+    return streamed, planned, offload
+
+
+def check(
+    trained: Any,
+    expected: Any,
+    streamed: StreamWeights,
+    planned: MemoryPlannerService,
+    limit: int,
+    swapped: list[Any],
+    used: Any,
+) -> None:
+    """The services did their part (NF4 codes streamed, a mixed plan within the budget,
+    the loop's optimizer swapped) and the LoRA weights equal the by-hand run's."""
+    paging = streamed.paging
+    assert paging is not None and paging.stats.paged_buffers == 7 * 2 * 3  # codes + scales
+    assert paging.stats.materialised == STEPS * 2 * 3  # forward + backward of 3 layers
+    assert paging.stats.written == 0 and paging.stats.still_referenced == 0
+    plan = planned.plan
+    assert plan is not None and plan.budget == limit
+    assert set(plan.choices.values()) != {"keep"}
+    assert 0 < planned.planner.measured_peak <= limit
+    assert len(swapped) == 1 and isinstance(swapped[0], OffloadAdamW)
+    while used is not swapped[0]:  # the loop stepped it (through its wrappers)
+        used = used.optimizer
+    got, want = trainable(trained), trainable(expected)
+    assert [n for n, _ in got] == [n for n, _ in want] and len(got) == 4 * 2 * 3
+    start = dict(trainable(lora_llama()))
+    for (name, a), (_, b) in zip(got, want, strict=True):
+        assert not torch.equal(b, start[name]), name  # it trained
+        assert torch.equal(a, b), name
+
+
+def test_raw_loop_composes_bit_identically() -> None:
+    from sakura_adapters.ddp import DDPAdapter
+
+    limit = budget()
+    expected = reference(limit)
+    with SakuraRuntime(strict=True) as rt:
+        streamed, planned, offload = services(rt, limit)
+        model = lora_llama()
+        adapter = DDPAdapter(rt)
+        model, optimizer = rt.prepare(
+            model, torch.optim.AdamW([p for _, p in trainable(model)], lr=LR)
+        )
+        adapter.on_train_begin(model, optimizer, accumulation_steps=1)
+        for step, batch in enumerate(batches()):
+            adapter.on_train_step_begin(model, batch, step)
+            optimizer.zero_grad()
+            adapter.backward(model(**batch).loss)
+            adapter.step(optimizer)
+        adapter.on_train_end(model)
+        swapped = list(offload.optimizers)  # (the service forgets them at teardown)
+    check(model, expected, streamed, planned, limit, swapped, optimizer)
+
+
+def test_lightning_trainer_composes_bit_identically(tmp_path: Path) -> None:
+    pl = pytest.importorskip("lightning.pytorch")
+    from torch.utils.data import DataLoader
+
+    from sakura_adapters.lightning import LightningAdapter
+
+    class Module(pl.LightningModule):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = lora_llama()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.model(**batch).loss  # type: ignore[no-any-return]
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW([p for _, p in trainable(self.model)], lr=LR)
+
+    limit = budget()
+    expected = reference(limit)
+    with SakuraRuntime(strict=True) as rt:
+        streamed, planned, offload = services(rt, limit)
+        module = Module()
+        trainer = pl.Trainer(
+            max_steps=STEPS,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            default_root_dir=str(tmp_path),
+            accelerator="cpu",
+            devices=1,
+            callbacks=[LightningAdapter(rt)],
+        )
+        trainer.fit(module, DataLoader(rows(), batch_size=BATCH, shuffle=False))
+        swapped = list(offload.optimizers)
+    check(module.model, expected, streamed, planned, limit, swapped, trainer.optimizers[0])
+
+
+class _InOrder(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """The rows in order: the Trainer shuffles a map-style dataset, never an iterable one."""
+
+    def __iter__(self) -> Any:
+        return iter(rows())
+
+
+def test_hf_trainer_composes_bit_identically(tmp_path: Path) -> None:
+    pytest.importorskip("accelerate")
+    from transformers import TrainingArguments
+
+    from sakura_adapters.hf import SakuraTrainer
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=BATCH,
+        max_steps=STEPS,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,  # no clipping: the by-hand loop does not clip
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        seed=0,
+    )
+    limit = budget()
+    expected = reference(limit, weight_decay=args.weight_decay)
+    with SakuraRuntime(strict=True) as rt:
+        streamed, planned, offload = services(rt, limit)
+        model = lora_llama()
+        trainer = SakuraTrainer(model=model, args=args, train_dataset=_InOrder(), runtime=rt)
+        trainer.train()
+        swapped = list(offload.optimizers)
+    # The Trainer passes num_items_in_batch to the model; without padding the loss is
+    # the same float32 value as the model's own mean, so the weights are bit-identical.
+    check(model, expected, streamed, planned, limit, swapped, trainer.optimizer)
+
+
+def test_zero1_on_two_ranks_composes_bit_identically(tmp_path: Path) -> None:
+    """ZeRO1 shards the OffloadAdamW that the services made; activation checkpointing
+    (sakura-precision's service) here instead of the planner."""
+    pytest.importorskip("sakura_zero")
+    pytest.importorskip("sakura_precision")
+    from sakura.testing import launch_ranks
+
+    launch_ranks(Path(__file__).with_name("_composition_rank.py"), 2, tmp_path, timeout=240)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for result in ranks:
+        assert result["type"] == "OffloadAdamW"  # the swapped optimizer, sharded in place
+        assert result["diffs"] == [0.0] * STEPS  # every step equal to the unsharded by-hand one
+        assert result["paged_buffers"] == result["by_hand_paged_buffers"] == 7 * 2 * 3
+        assert result["materialised"] == STEPS * 2 * 3
+        assert result["recomputed_blocks"] == [3, 3]  # service and by hand: every layer
+    held = [r["held_states"] for r in ranks]
+    assert sum(held) == ranks[0]["total_trainable"] and min(held) >= 1  # each keeps its shard
