@@ -229,3 +229,40 @@ def test_zero1_on_two_ranks_composes_bit_identically(tmp_path: Path) -> None:
         assert result["recomputed_blocks"] == [3, 3]  # service and by hand: every layer
     held = [r["held_states"] for r in ranks]
     assert sum(held) == ranks[0]["total_trainable"] and min(held) >= 1  # each keeps its shard
+
+
+def test_quantizing_a_streamed_base_is_a_clear_error() -> None:
+    """The order matters: quantize first, then stream.  Quantizing layers of a block whose
+    weights WeightPaging already streams would replace them behind its back (the fp32
+    weights stay in its host store, the new codes would not stream), so it is refused
+    before any layer changes, naming the block and the order."""
+    import sakura_quant
+    from sakura_offload.paging.weights import WeightPaging
+
+    model = lora_llama()
+    paging = WeightPaging(model)
+    before = [type(m).__name__ for m in model.modules()]
+    with pytest.raises(
+        ValueError,
+        match=r"layers\.0, whose weights are streamed by 'weight_paging'.*quantize the base before",
+    ):
+        sakura_quant.quantize_model(model, "nf4")
+    assert [type(m).__name__ for m in model.modules()] == before  # nothing changed
+    with SakuraRuntime(strict=True) as rt:  # the same through the service
+        rt.install("quant:nf4")
+        with pytest.raises(ValueError, match=r"streamed by 'weight_paging'"):
+            rt.prepare(model)
+    paging.remove()
+    assert sakura_quant.quantize_model(model, "nf4")["tensors"] == 7 * 3  # unstreamed: fine
+
+
+def test_planner_and_activation_checkpoint_on_the_same_blocks_is_a_clear_error() -> None:
+    """Both choose recomputation for the blocks: installing both is refused when the model
+    is prepared, naming the block and the service that checkpointed it."""
+    pytest.importorskip("sakura_precision")
+    with SakuraRuntime(strict=True) as rt:
+        rt.install("memory_plan:budget=100000")
+        rt.install("activation_checkpoint")
+        model = lora_llama()
+        with pytest.raises(ValueError, match=r"already checkpointed by 'activation_checkpoint'"):
+            rt.prepare(model, torch.optim.AdamW([p for _, p in trainable(model)]))

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sakura.marks import WEIGHTS_STREAMED, get_mark, has_mark
 from sakura.options import check_bool, option_error
 from sakura_quant.codec import dequantize_weight, encode
 from sakura_quant.formats import QuantizedWeight
@@ -179,6 +180,7 @@ def quantize_with_options(
     rank = options.error_rank
     found = find_targets(model, options.targets, options.skip)
     for name, module in found:  # before any layer changes: the model stays as it was
+        _check_not_streamed(model, name)
         check_error_rank(rank, tuple(module.weight.shape), name=name, owner=_OWNER)
         check_finite(module.weight, name=f"{name}.weight")
     if not freeze:
@@ -212,6 +214,24 @@ def quantize_with_options(
         stats["bytes_after"] += quantized.quantized_nbytes
     stats["lora_initialized"] = init_lora_from_error(model) if rank else 0
     return stats
+
+
+def _check_not_streamed(model: nn.Module, name: str) -> None:
+    """Refuse to replace a layer inside a block whose weights are streamed (the
+    :data:`sakura.marks.WEIGHTS_STREAMED` mark, e.g. sakura-offload's ``WeightPaging``):
+    the streamer holds the old weights and would not stream the new codes."""
+    parts = name.split(".")
+    for depth in range(len(parts)):
+        prefix = ".".join(parts[:depth])
+        holder = model.get_submodule(prefix) if prefix else model
+        if has_mark(holder, WEIGHTS_STREAMED):
+            raise ValueError(
+                f"{_OWNER}: {name} is in {prefix or 'the model'}, whose weights are "
+                f"streamed by {get_mark(holder, WEIGHTS_STREAMED)!r} (its "
+                "sakura.marks.WEIGHTS_STREAMED mark): quantize the base before streaming it "
+                "(WeightPaging after quantize_model or the quant service), or remove the "
+                "streaming first"
+            )
 
 
 def build_layer(
