@@ -89,38 +89,50 @@ def trainable(model: Any) -> list[tuple[str, torch.Tensor]]:
 class StreamWeights(Service):
     """``WeightPaging`` has no service of its own: under a framework a user applies it in
     a service's ``wrap_model``, after ``quant`` (priority 5) so the quantized base is what
-    streams, and before ``memory_plan`` (60) / ``activation_checkpoint``."""
+    streams, and before ``memory_plan`` (60) / ``activation_checkpoint``.  ``options`` are
+    ``WeightPaging``'s."""
 
     name = "stream_weights"
     priority: float = 10
 
-    def __init__(self) -> None:
+    def __init__(self, **options: Any) -> None:
+        self.options = options
         self.paging: Any = None
 
     def wrap_model(self, model: Any) -> Any:
         from sakura_offload.paging.weights import WeightPaging
 
         if self.paging is None:
-            self.paging = WeightPaging(model, prefetch=1)
+            self.paging = WeightPaging(model, **self.options)
         return model
+
+    def teardown(self) -> None:
+        if self.paging is not None:  # (a disk tier's folder goes with it)
+            self.paging.remove()
 
 
 def by_hand(
     model: Any,
     *,
+    quant: dict[str, Any] | None = None,
+    paging: dict[str, Any] | None = None,
     planner: Any = None,
     checkpoint: bool = False,
+    optimizer: dict[str, Any] | None = None,
     weight_decay: float = 0.01,
 ) -> tuple[Any, Any, Any]:
-    """The choices applied by hand, in the services' order: quantize, stream the frozen
-    weights, plan (or checkpoint) the activations, and an OffloadAdamW on the trainable
+    """The choices applied by hand, in the services' order: quantize (``quant``:
+    ``quantize_model``'s options, default NF4), stream the frozen weights (``paging``:
+    ``WeightPaging``'s options), plan (or checkpoint) the activations, and an OffloadAdamW
+    (``optimizer``: its options, default fp32 moments, no eager updates) on the trainable
     parameters.  Returns (paging, planner or checkpointer, optimizer)."""
     import sakura_quant
     from sakura_offload import OffloadAdamW
     from sakura_offload.paging.weights import WeightPaging
 
-    sakura_quant.quantize_model(model, "nf4")
-    paging = WeightPaging(model, prefetch=1)
+    quant = {"quantize": "nf4", **(quant or {})}
+    sakura_quant.quantize_model(model, **quant)
+    streamer = WeightPaging(model, **{"prefetch": 1, **(paging or {})})
     activations: Any = None
     if planner is not None:
         activations = planner.attach(model)
@@ -129,10 +141,13 @@ def by_hand(
 
         activations = ActivationCheckpoint()
         activations.wrap_model(model)
-    optimizer = OffloadAdamW(
-        [p for _, p in trainable(model)], lr=LR, weight_decay=weight_decay, eager=False
+    stepper = OffloadAdamW(
+        [p for _, p in trainable(model)],
+        lr=LR,
+        weight_decay=weight_decay,
+        **{"eager": False, **(optimizer or {})},
     )
-    return paging, activations, optimizer
+    return streamer, activations, stepper
 
 
 def main() -> None:
@@ -165,7 +180,7 @@ def main() -> None:
         # Its buffers (the base's codes and scales) are frozen: no broadcast each step.
         sharded_model = DDP(net, broadcast_buffers=False)
         plain_model = DDP(plain_net, broadcast_buffers=False)
-        for batch in batches(seed=10 + rank):
+        for batch in batches(seed=10 + rank):  # each rank its own data
             for model, optimizer in ((sharded_model, sharded), (plain_model, plain)):
                 optimizer.zero_grad()
                 model(**batch).loss.backward()

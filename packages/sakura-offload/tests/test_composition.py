@@ -9,6 +9,8 @@ loop: under a real ``lightning.Trainer``, a real ``transformers.Trainer``, a raw
 from __future__ import annotations
 
 import json
+import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,48 +38,129 @@ from sakura_offload import OffloadAdamW
 from sakura_offload.planner import MemoryPlanner
 from sakura_offload.planner.service import MemoryPlannerService
 
-PLANNER = {"min_bytes": 1024, "cost_trials": 0, "host_bandwidth": 1e9, "disk": False}
-"""Estimated costs (no timing: the plan is the same on a loaded machine); host paging and
-recomputation only.  Every choice is bit-identical, so the plan cannot change the result."""
+PLANNER: dict[str, Any] = {
+    "min_bytes": 1024,
+    "cost_trials": 0,
+    "host_bandwidth": 1e12,
+    "disk": False,
+}
+"""Estimated costs, not timed (the plan is the same on a loaded machine).  A host round
+trip at 1 TB/s makes paging cheaper than recomputing any block; at 1 B/s recomputing is
+cheaper.  Every choice is bit-identical, so the plan cannot change the parameters."""
 
 
-def budget() -> int:
+@dataclass(frozen=True)
+class Variant:
+    """One set of choices, as services (spec strings) and by hand (the same options)."""
+
+    quant: dict[str, Any] = field(default_factory=dict)
+    """quantize_model's options (and the quant spec's)."""
+    paging: dict[str, Any] = field(default_factory=dict)
+    """WeightPaging's options (``disk_offload=True``: a folder under tmp_path)."""
+    planner: dict[str, Any] = field(default_factory=dict)
+    """MemoryPlanner's options over PLANNER (and the memory_plan spec's)."""
+    optimizer: dict[str, Any] = field(default_factory=dict)
+    """OffloadAdamW's options (and the offload_adamw spec's)."""
+    choices: frozenset[str] = frozenset({"keep", "page_host"})
+    """The plan's choices, as a set."""
+    buffers_per_layer: int = 7 * 2
+    """Paged buffers per layer: codes and scales of 7 quantized projections (+ double-quant
+    statistics or LoftQ factors)."""
+
+
+VARIANTS = {
+    "nf4-page-host": Variant(),
+    "int8-recompute": Variant(
+        quant={"quantize": "int8"},
+        planner={"host_bandwidth": 1.0},
+        choices=frozenset({"keep", "recompute"}),
+    ),
+    "nf4-double-quant-disk": Variant(
+        quant={"double_quant": True},
+        paging={"disk_offload": True, "host_budget": 0},
+        planner={"disk": True, "host_budget": 0, "disk_bandwidth": 1e12},
+        choices=frozenset({"keep", "page_disk"}),
+        buffers_per_layer=7 * 4,
+    ),
+    "loftq-eager-adamw": Variant(
+        quant={"error_rank": 4}, optimizer={"eager": True}, buffers_per_layer=7 * 4
+    ),
+    "bf16-moments": Variant(optimizer={"moment_dtype": "bf16"}),
+}
+
+
+def _spec(name: str, options: dict[str, Any]) -> str:
+    """``name:key=value,...`` (``name:value,...`` for a ``quantize`` option: the format)."""
+    given = dict(options)
+    values = [str(given.pop("quantize"))] if "quantize" in given else []
+    values += [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in given.items()]
+    return f"{name}:{','.join(values)}" if values else name
+
+
+def budget(variant: Variant = Variant()) -> int:
     """Halfway between the least reachable peak and keeping everything, measured on the
     quantized, streamed model: a plan that mixes keep with page / recompute."""
     model = lora_llama()
-    by_hand(model)
+    by_hand(model, quant=variant.quant)
     batch = batches()[0]
     plan = MemoryPlanner(10**12, **PLANNER).plan(model, lambda: model(**batch).loss)
     assert plan.least_peak < plan.keep_peak
     return (plan.keep_peak + plan.least_peak) // 2
 
 
-def planner(limit: int) -> MemoryPlanner:
-    return MemoryPlanner(limit, **PLANNER, track=True)
+def planner_options(limit: int, variant: Variant) -> dict[str, Any]:
+    return {"budget": limit, **PLANNER, **variant.planner, "track": True}
 
 
-def reference(limit: int, *, weight_decay: float = 0.01) -> Any:
+def paging_options(variant: Variant, folder: Path) -> dict[str, Any]:
+    options = dict(variant.paging)
+    if options.get("disk_offload"):
+        options["disk_offload"] = str(folder)
+    return options
+
+
+def reference(
+    limit: int, variant: Variant = Variant(), *, folder: Path | None = None, **hyper: Any
+) -> Any:
     """The plain loop: the choices by hand, STEPS AdamW steps on the batches in order."""
     model = lora_llama()
-    paging, plan, optimizer = by_hand(model, planner=planner(limit), weight_decay=weight_decay)
+    options = planner_options(limit, variant)
+    paging, plan, optimizer = by_hand(
+        model,
+        quant=variant.quant,
+        paging=paging_options(variant, folder or Path(tempfile.gettempdir())),
+        planner=MemoryPlanner(options.pop("budget"), **options),
+        optimizer=variant.optimizer,
+        **hyper,
+    )
     for step, batch in enumerate(batches()):
         optimizer.zero_grad()
         model(**batch).loss.backward()
         optimizer.step()
         if step == 1:  # two measured steps, as the service's measure_steps=2
             plan.decide()
-    assert plan.applied is not None and set(plan.applied.choices.values()) != {"keep"}
+    assert plan.applied is not None
+    assert set(plan.applied.choices.values()) == variant.choices
     paging.check_released()
+    paging.remove()
     return model
 
 
-def services(rt: SakuraRuntime, limit: int) -> tuple[StreamWeights, MemoryPlannerService, Any]:
-    rt.install("quant:nf4")
-    streamed = rt.install(StreamWeights())
-    planned = rt.install(
-        MemoryPlannerService(limit, **PLANNER, track=True, measure_steps=2, report=False)
+def services(
+    rt: SakuraRuntime, limit: int, variant: Variant = Variant(), *, folder: Path | None = None
+) -> tuple[StreamWeights, MemoryPlannerService, Any]:
+    """The same choices as services, by spec string (WeightPaging: a service of the test's,
+    see StreamWeights)."""
+    rt.install(_spec("quant", {"quantize": "nf4", **variant.quant}))
+    streamed = rt.install(
+        StreamWeights(**paging_options(variant, folder or Path(tempfile.gettempdir())))
     )
-    offload = rt.install("offload_adamw")
+    planned = rt.install(
+        _spec(
+            "memory_plan", {**planner_options(limit, variant), "measure_steps": 2, "report": False}
+        )
+    )
+    offload = rt.install(_spec("offload_adamw", variant.optimizer))
     return streamed, planned, offload
 
 
@@ -89,16 +172,18 @@ def check(
     limit: int,
     swapped: list[Any],
     used: Any,
+    variant: Variant = Variant(),
 ) -> None:
-    """The services did their part (NF4 codes streamed, a mixed plan within the budget,
-    the loop's optimizer swapped) and the LoRA weights equal the by-hand run's."""
+    """The services did their part (the quantized base streamed, the variant's plan within
+    the budget, the loop's optimizer swapped) and the LoRA weights equal the by-hand run's."""
     paging = streamed.paging
-    assert paging is not None and paging.stats.paged_buffers == 7 * 2 * 3  # codes + scales
+    assert paging is not None and paging.stats.paged_buffers == variant.buffers_per_layer * 3
     assert paging.stats.materialised == STEPS * 2 * 3  # forward + backward of 3 layers
     assert paging.stats.written == 0 and paging.stats.still_referenced == 0
+    assert paging.stats.disk_blocks == (3 if variant.paging.get("disk_offload") else 0)
     plan = planned.plan
     assert plan is not None and plan.budget == limit
-    assert set(plan.choices.values()) != {"keep"}
+    assert set(plan.choices.values()) == variant.choices
     assert 0 < planned.planner.measured_peak <= limit
     assert len(swapped) == 1 and isinstance(swapped[0], OffloadAdamW)
     while used is not swapped[0]:  # the loop stepped it (through its wrappers)
@@ -111,13 +196,17 @@ def check(
         assert torch.equal(a, b), name
 
 
-def test_raw_loop_composes_bit_identically() -> None:
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_raw_loop_composes_bit_identically(name: str, tmp_path: Path) -> None:
     from sakura_adapters.ddp import DDPAdapter
 
-    limit = budget()
-    expected = reference(limit)
+    variant = VARIANTS[name]
+    (tmp_path / "hand").mkdir()
+    (tmp_path / "services").mkdir()
+    limit = budget(variant)
+    expected = reference(limit, variant, folder=tmp_path / "hand")
     with SakuraRuntime(strict=True) as rt:
-        streamed, planned, offload = services(rt, limit)
+        streamed, planned, offload = services(rt, limit, variant, folder=tmp_path / "services")
         model = lora_llama()
         adapter = DDPAdapter(rt)
         model, optimizer = rt.prepare(
@@ -131,7 +220,9 @@ def test_raw_loop_composes_bit_identically() -> None:
             adapter.step(optimizer)
         adapter.on_train_end(model)
         swapped = list(offload.optimizers)  # (the service forgets them at teardown)
-    check(model, expected, streamed, planned, limit, swapped, optimizer)
+    check(model, expected, streamed, planned, limit, swapped, optimizer, variant)
+    assert swapped[0].eager is bool(variant.optimizer.get("eager"))
+    assert not any((tmp_path / "services").iterdir())  # the disk tier's folders are gone
 
 
 def test_lightning_trainer_composes_bit_identically(tmp_path: Path) -> None:
