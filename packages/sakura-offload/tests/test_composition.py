@@ -164,6 +164,14 @@ def services(
     return streamed, planned, offload
 
 
+def _folders(tmp_path: Path) -> tuple[Path, Path]:
+    """Where the by-hand run's and the services' disk tiers go."""
+    hand, served = tmp_path / "hand", tmp_path / "services"
+    hand.mkdir()
+    served.mkdir()
+    return hand, served
+
+
 def check(
     trained: Any,
     expected: Any,
@@ -200,13 +208,11 @@ def check(
 def test_raw_loop_composes_bit_identically(name: str, tmp_path: Path) -> None:
     from sakura_adapters.ddp import DDPAdapter
 
-    variant = VARIANTS[name]
-    (tmp_path / "hand").mkdir()
-    (tmp_path / "services").mkdir()
+    variant, folders = VARIANTS[name], _folders(tmp_path)
     limit = budget(variant)
-    expected = reference(limit, variant, folder=tmp_path / "hand")
+    expected = reference(limit, variant, folder=folders[0])
     with SakuraRuntime(strict=True) as rt:
-        streamed, planned, offload = services(rt, limit, variant, folder=tmp_path / "services")
+        streamed, planned, offload = services(rt, limit, variant, folder=folders[1])
         model = lora_llama()
         adapter = DDPAdapter(rt)
         model, optimizer = rt.prepare(
@@ -222,10 +228,11 @@ def test_raw_loop_composes_bit_identically(name: str, tmp_path: Path) -> None:
         swapped = list(offload.optimizers)  # (the service forgets them at teardown)
     check(model, expected, streamed, planned, limit, swapped, optimizer, variant)
     assert swapped[0].eager is bool(variant.optimizer.get("eager"))
-    assert not any((tmp_path / "services").iterdir())  # the disk tier's folders are gone
+    assert not any(folders[1].iterdir())  # the disk tier's folders are gone
 
 
-def test_lightning_trainer_composes_bit_identically(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_lightning_trainer_composes_bit_identically(name: str, tmp_path: Path) -> None:
     pl = pytest.importorskip("lightning.pytorch")
     from torch.utils.data import DataLoader
 
@@ -242,10 +249,11 @@ def test_lightning_trainer_composes_bit_identically(tmp_path: Path) -> None:
         def configure_optimizers(self) -> Any:
             return torch.optim.AdamW([p for _, p in trainable(self.model)], lr=LR)
 
-    limit = budget()
-    expected = reference(limit)
+    variant, folders = VARIANTS[name], _folders(tmp_path)
+    limit = budget(variant)
+    expected = reference(limit, variant, folder=folders[0])
     with SakuraRuntime(strict=True) as rt:
-        streamed, planned, offload = services(rt, limit)
+        streamed, planned, offload = services(rt, limit, variant, folder=folders[1])
         module = Module()
         trainer = pl.Trainer(
             max_steps=STEPS,
@@ -260,7 +268,8 @@ def test_lightning_trainer_composes_bit_identically(tmp_path: Path) -> None:
         )
         trainer.fit(module, DataLoader(rows(), batch_size=BATCH, shuffle=False))
         swapped = list(offload.optimizers)
-    check(module.model, expected, streamed, planned, limit, swapped, trainer.optimizers[0])
+    check(module.model, expected, streamed, planned, limit, swapped, trainer.optimizers[0], variant)
+    assert not any(folders[1].iterdir())
 
 
 class _InOrder(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
@@ -270,7 +279,8 @@ class _InOrder(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         return iter(rows())
 
 
-def test_hf_trainer_composes_bit_identically(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_hf_trainer_composes_bit_identically(name: str, tmp_path: Path) -> None:
     pytest.importorskip("accelerate")
     from transformers import TrainingArguments
 
@@ -290,17 +300,19 @@ def test_hf_trainer_composes_bit_identically(tmp_path: Path) -> None:
         disable_tqdm=True,
         seed=0,
     )
-    limit = budget()
-    expected = reference(limit, weight_decay=args.weight_decay)
+    variant, folders = VARIANTS[name], _folders(tmp_path)
+    limit = budget(variant)
+    expected = reference(limit, variant, folder=folders[0], weight_decay=args.weight_decay)
     with SakuraRuntime(strict=True) as rt:
-        streamed, planned, offload = services(rt, limit)
+        streamed, planned, offload = services(rt, limit, variant, folder=folders[1])
         model = lora_llama()
         trainer = SakuraTrainer(model=model, args=args, train_dataset=_InOrder(), runtime=rt)
         trainer.train()
         swapped = list(offload.optimizers)
     # The Trainer passes num_items_in_batch to the model; without padding the loss is
     # the same float32 value as the model's own mean, so the weights are bit-identical.
-    check(model, expected, streamed, planned, limit, swapped, trainer.optimizer)
+    check(model, expected, streamed, planned, limit, swapped, trainer.optimizer, variant)
+    assert not any(folders[1].iterdir())
 
 
 def test_zero1_on_two_ranks_composes_bit_identically(tmp_path: Path) -> None:
