@@ -160,16 +160,24 @@ def main() -> None:
     from sakura_zero import ZeRO1
 
     rank, world, init_file, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    mode = sys.argv[5]  # "checkpoint", or the memory_plan spec's options
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     sharded_net = lora_llama()
     plain_net = copy.deepcopy(sharded_net)
-    paging, _, plain = by_hand(plain_net, checkpoint=True)
+    planner: Any = None
+    if mode != "checkpoint":
+        from sakura.plugins import get_plugin_manager
+
+        planner = get_plugin_manager().create("service", f"memory_plan:{mode}").planner
+    paging, _, plain = by_hand(plain_net, planner=planner, checkpoint=mode == "checkpoint")
     streamed = StreamWeights()
     diffs: list[float] = []
     with SakuraRuntime(strict=True) as rt:
         rt.install("quant:nf4")
         rt.install(streamed)
-        rt.install("activation_checkpoint")
+        planned = rt.install(
+            "activation_checkpoint" if mode == "checkpoint" else f"memory_plan:{mode}"
+        )
         rt.install("offload_adamw")
         rt.install(ZeRO1())
         net, sharded = rt.prepare(
@@ -180,13 +188,15 @@ def main() -> None:
         # Its buffers (the base's codes and scales) are frozen: no broadcast each step.
         sharded_model = DDP(net, broadcast_buffers=False)
         plain_model = DDP(plain_net, broadcast_buffers=False)
-        for batch in batches(seed=10 + rank):  # each rank its own data
+        for step, batch in enumerate(batches(seed=10 + rank)):  # each rank its own data
             for model, optimizer in ((sharded_model, sharded), (plain_model, plain)):
                 optimizer.zero_grad()
                 model(**batch).loss.backward()
             if not rt.optimizer_step(sharded):
                 sharded.step()
             plain.step()
+            if planner is not None and step == 1:  # as the service's measure_steps=2
+                planner.decide()
             diffs.append(
                 max(
                     (a - b).abs().max().item()
@@ -199,6 +209,11 @@ def main() -> None:
         from sakura.marks import RECOMPUTED, has_mark
 
         recomputed = [sum(has_mark(m, RECOMPUTED) for m in n.modules()) for n in (net, plain_net)]
+        choices = (
+            [sorted(set(x.choices.values())) for x in (planned.plan, planner.applied)]
+            if planner is not None
+            else None
+        )
     result = {
         "type": type(sharded).__name__,
         "diffs": diffs,
@@ -208,8 +223,11 @@ def main() -> None:
         "by_hand_paged_buffers": paging.stats.paged_buffers,
         "materialised": streamed.paging.stats.materialised,
         "recomputed_blocks": recomputed,
+        "choices": choices,
     }
-    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    Path(out, f"{'checkpoint' if planner is None else 'plan'}-rank{rank}.json").write_text(
+        json.dumps(result)
+    )
     dist.barrier()
     dist.destroy_process_group()
 

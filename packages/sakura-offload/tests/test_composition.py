@@ -315,57 +315,31 @@ def test_hf_trainer_composes_bit_identically(name: str, tmp_path: Path) -> None:
     assert not any(folders[1].iterdir())
 
 
-def test_zero1_on_two_ranks_composes_bit_identically(tmp_path: Path) -> None:
-    """ZeRO1 shards the OffloadAdamW that the services made; activation checkpointing
-    (sakura-precision's service) here instead of the planner."""
+@pytest.mark.parametrize("activations", ["checkpoint", "plan"])
+def test_zero1_on_two_ranks_composes_bit_identically(activations: str, tmp_path: Path) -> None:
+    """ZeRO1 shards the OffloadAdamW that the services made; the activations recomputed
+    by sakura-precision's ``activation_checkpoint`` on every layer, or planned by
+    ``memory_plan`` (recompute chosen: host paging priced at 1 B/s)."""
     pytest.importorskip("sakura_zero")
     pytest.importorskip("sakura_precision")
     from sakura.testing import launch_ranks
 
-    launch_ranks(Path(__file__).with_name("_composition_rank.py"), 2, tmp_path, timeout=240)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    mode = activations
+    if activations == "plan":
+        recompute = Variant(planner={"host_bandwidth": 1.0})  # on the NF4 base
+        options = {**planner_options(budget(), recompute), "measure_steps": 2, "report": False}
+        mode = _spec("memory_plan", options).partition(":")[2]
+    worker = Path(__file__).with_name("_composition_rank.py")
+    launch_ranks(worker, 2, tmp_path, mode, timeout=240)
+    ranks = [json.loads((tmp_path / f"{activations}-rank{r}.json").read_text()) for r in (0, 1)]
     for result in ranks:
         assert result["type"] == "OffloadAdamW"  # the swapped optimizer, sharded in place
         assert result["diffs"] == [0.0] * STEPS  # every step equal to the unsharded by-hand one
         assert result["paged_buffers"] == result["by_hand_paged_buffers"] == 7 * 2 * 3
         assert result["materialised"] == STEPS * 2 * 3
-        assert result["recomputed_blocks"] == [3, 3]  # service and by hand: every layer
+        if activations == "checkpoint":
+            assert result["recomputed_blocks"] == [3, 3]  # service and by hand: every layer
+        else:
+            assert result["choices"] == [["keep", "recompute"]] * 2  # service and by hand
     held = [r["held_states"] for r in ranks]
     assert sum(held) == ranks[0]["total_trainable"] and min(held) >= 1  # each keeps its shard
-
-
-def test_quantizing_a_streamed_base_is_a_clear_error() -> None:
-    """The order matters: quantize first, then stream.  Quantizing layers of a block whose
-    weights WeightPaging already streams would replace them behind its back (the fp32
-    weights stay in its host store, the new codes would not stream), so it is refused
-    before any layer changes, naming the block and the order."""
-    import sakura_quant
-    from sakura_offload.paging.weights import WeightPaging
-
-    model = lora_llama()
-    paging = WeightPaging(model)
-    before = [type(m).__name__ for m in model.modules()]
-    with pytest.raises(
-        ValueError,
-        match=r"layers\.0, whose weights are streamed by 'weight_paging'.*quantize the base before",
-    ):
-        sakura_quant.quantize_model(model, "nf4")
-    assert [type(m).__name__ for m in model.modules()] == before  # nothing changed
-    with SakuraRuntime(strict=True) as rt:  # the same through the service
-        rt.install("quant:nf4")
-        with pytest.raises(ValueError, match=r"streamed by 'weight_paging'"):
-            rt.prepare(model)
-    paging.remove()
-    assert sakura_quant.quantize_model(model, "nf4")["tensors"] == 7 * 3  # unstreamed: fine
-
-
-def test_planner_and_activation_checkpoint_on_the_same_blocks_is_a_clear_error() -> None:
-    """Both choose recomputation for the blocks: installing both is refused when the model
-    is prepared, naming the block and the service that checkpointed it."""
-    pytest.importorskip("sakura_precision")
-    with SakuraRuntime(strict=True) as rt:
-        rt.install("memory_plan:budget=100000")
-        rt.install("activation_checkpoint")
-        model = lora_llama()
-        with pytest.raises(ValueError, match=r"already checkpointed by 'activation_checkpoint'"):
-            rt.prepare(model, torch.optim.AdamW([p for _, p in trainable(model)]))
