@@ -231,8 +231,9 @@ def test_raw_loop_composes_bit_identically(name: str, tmp_path: Path) -> None:
     assert not any(folders[1].iterdir())  # the disk tier's folders are gone
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
-def test_lightning_trainer_composes_bit_identically(name: str, tmp_path: Path) -> None:
+def _lightning_fit(rt: SakuraRuntime, tmp_path: Path, **trainer_options: Any) -> Any:
+    """A real lightning.Trainer with LightningAdapter(rt) over the rows in order; returns
+    (the trained LightningModule, the trainer)."""
     pl = pytest.importorskip("lightning.pytorch")
     from torch.utils.data import DataLoader
 
@@ -249,27 +250,68 @@ def test_lightning_trainer_composes_bit_identically(name: str, tmp_path: Path) -
         def configure_optimizers(self) -> Any:
             return torch.optim.AdamW([p for _, p in trainable(self.model)], lr=LR)
 
+    module = Module()
+    trainer = pl.Trainer(
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=str(tmp_path),
+        accelerator="cpu",
+        devices=1,
+        callbacks=[LightningAdapter(rt)],
+        **trainer_options,
+    )
+    data = rows() + rows(seed=5)  # enough for accumulation too
+    trainer.fit(module, DataLoader(data, batch_size=BATCH, shuffle=False))
+    return module, trainer
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_lightning_trainer_composes_bit_identically(name: str, tmp_path: Path) -> None:
     variant, folders = VARIANTS[name], _folders(tmp_path)
     limit = budget(variant)
     expected = reference(limit, variant, folder=folders[0])
     with SakuraRuntime(strict=True) as rt:
         streamed, planned, offload = services(rt, limit, variant, folder=folders[1])
-        module = Module()
-        trainer = pl.Trainer(
-            max_steps=STEPS,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            enable_checkpointing=False,
-            default_root_dir=str(tmp_path),
-            accelerator="cpu",
-            devices=1,
-            callbacks=[LightningAdapter(rt)],
-        )
-        trainer.fit(module, DataLoader(rows(), batch_size=BATCH, shuffle=False))
+        module, trainer = _lightning_fit(rt, tmp_path, max_steps=STEPS)
         swapped = list(offload.optimizers)
     check(module.model, expected, streamed, planned, limit, swapped, trainer.optimizers[0], variant)
     assert not any(folders[1].iterdir())
+
+
+def test_lightning_gradient_accumulation_with_eager_updates(tmp_path: Path) -> None:
+    """accumulate_grad_batches=2 (Lightning divides each loss by 2) with eager host
+    updates (offload_adamw:eager=true reads the accumulation from the loop) and recomputed
+    activations: the same as two halved backward passes per OffloadAdamW step by hand."""
+    variant = VARIANTS["int8-recompute"]
+    limit = budget(variant)
+    model = lora_llama()
+    options = planner_options(limit, variant)
+    paging, plan, optimizer = by_hand(
+        model,
+        quant=variant.quant,
+        planner=MemoryPlanner(options.pop("budget"), **options),
+        optimizer={"eager": True, "accumulation_steps": 2},
+    )
+    for i, batch in enumerate(batches() + batches(seed=5)):
+        (model(**batch).loss / 2).backward()
+        if i % 2:
+            optimizer.step()
+            optimizer.zero_grad()
+        if i == 1:
+            plan.decide()
+    paging.check_released()
+    served = Variant(quant=variant.quant, planner=variant.planner, optimizer={"eager": True})
+    with SakuraRuntime(strict=True) as rt:
+        streamed, planned, offload = services(rt, limit, served)
+        module, _ = _lightning_fit(rt, tmp_path, max_steps=STEPS, accumulate_grad_batches=2)
+        swapped = list(offload.optimizers)
+        assert swapped[0].eager and swapped[0].accumulation_steps == 2
+    assert set(planned.plan.choices.values()) == {"keep", "recompute"}
+    assert streamed.paging.stats.materialised == 2 * STEPS * 2 * 3  # two batches per step
+    for (name, a), (_, b) in zip(trainable(module.model), trainable(model), strict=True):
+        assert torch.equal(a, b), name
 
 
 class _InOrder(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
