@@ -385,3 +385,37 @@ def test_zero1_on_two_ranks_composes_bit_identically(activations: str, tmp_path:
             assert result["choices"] == [["keep", "recompute"]] * 2  # service and by hand
     held = [r["held_states"] for r in ranks]
     assert sum(held) == ranks[0]["total_trainable"] and min(held) >= 1  # each keeps its shard
+
+
+def test_hf_trainer_clipping_refuses_eager_updates_before_training(tmp_path: Path) -> None:
+    """The Trainer clips (max_grad_norm, 1.0 by default) in its own loop: the HF adapter
+    says so on LoopContext.gradient_clipping, so offload_adamw:eager=true is refused when
+    training starts, naming the setting, before an eager update runs on unclipped
+    gradients (the weights untouched)."""
+    pytest.importorskip("accelerate")
+    from transformers import TrainingArguments
+
+    from sakura.options import OptionError
+    from sakura_adapters.hf import SakuraTrainer
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=BATCH,
+        max_steps=STEPS,
+        learning_rate=LR,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    model = lora_llama()
+    with SakuraRuntime(strict=True) as rt:
+        services(rt, budget(), Variant(optimizer={"eager": True}))
+        trainer = SakuraTrainer(model=model, args=args, train_dataset=_InOrder(), runtime=rt)
+        with pytest.raises(
+            OptionError, match=r"eager=True.*TrainingArguments\(max_grad_norm=1\.0\)"
+        ):
+            trainer.train()
+    start = dict(trainable(lora_llama()))
+    assert all(torch.equal(p, start[name]) for name, p in trainable(model))

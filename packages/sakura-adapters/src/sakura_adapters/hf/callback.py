@@ -252,6 +252,12 @@ class HFAdapter(TrainerCallback):
             output_dir=str(output_dir) if output_dir else None,
             report_metrics=report,
             wrapped_model=None if trainer is None else (lambda: trainer.model_wrapped),
+            # The Trainer clips in its loop (accelerator.clip_grad_norm_), outside the runtime.
+            gradient_clipping=(
+                f"TrainingArguments(max_grad_norm={args.max_grad_norm!r})"
+                if getattr(args, "max_grad_norm", None)
+                else None
+            ),
         )
 
     # --- lifecycle ----------------------------------------------------------------------
