@@ -314,6 +314,35 @@ def test_lightning_gradient_accumulation_with_eager_updates(tmp_path: Path) -> N
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("name", ["nf4-page-host", "int8-recompute"])
+def test_lightning_bf16_autocast_composes_bit_identically(name: str, tmp_path: Path) -> None:
+    """sakura-precision's mixed_precision:bf16-mixed (autocast around the forward, the
+    recomputation replaying it) on top: the same as torch.autocast by hand."""
+    pytest.importorskip("sakura_precision")
+    variant = VARIANTS[name]
+    limit = budget(variant)
+    model = lora_llama()
+    options = planner_options(limit, variant)
+    paging, plan, optimizer = by_hand(
+        model, quant=variant.quant, planner=MemoryPlanner(options.pop("budget"), **options)
+    )
+    for step, batch in enumerate(batches()):
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        if step == 1:
+            plan.decide()
+    paging.check_released()
+    with SakuraRuntime(strict=True) as rt:
+        rt.install("mixed_precision:bf16-mixed")
+        streamed, planned, offload = services(rt, limit, variant)
+        module, trainer = _lightning_fit(rt, tmp_path, max_steps=STEPS)
+        swapped = list(offload.optimizers)
+    check(module.model, model, streamed, planned, limit, swapped, trainer.optimizers[0], variant)
+
+
 class _InOrder(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     """The rows in order: the Trainer shuffles a map-style dataset, never an iterable one."""
 
