@@ -86,6 +86,7 @@ VARIANTS = {
         quant={"error_rank": 4}, optimizer={"eager": True}, buffers_per_layer=7 * 4
     ),
     "bf16-moments": Variant(optimizer={"moment_dtype": "bf16"}),
+    "int8-moments": Variant(optimizer={"moment_dtype": "int8"}),
 }
 
 
