@@ -203,6 +203,10 @@ def check(
     for (name, a), (_, b) in zip(got, want, strict=True):
         assert not torch.equal(b, start[name]), name  # it trained
         assert torch.equal(a, b), name
+    # Every tensor, frozen ones too (codes, scales, norms), once the streaming is removed.
+    full, reference_state = trained.state_dict(), expected.state_dict()
+    assert list(full) == list(reference_state)
+    assert all(torch.equal(full[k], reference_state[k]) for k in full)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
