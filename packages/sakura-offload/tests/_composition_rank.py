@@ -11,8 +11,11 @@ As a rank: two copies of the model on every rank see the same DDP-averaged gradi
 prepared by ``rt.prepare`` under ``quant:nf4`` + weight paging + ``activation_checkpoint``
 + ``offload_adamw`` + ``ZeRO1`` (each rank updates its shard of the LoRA weights on the
 host, then the shards are broadcast), the other with the same choices by hand and an
-unsharded ``OffloadAdamW``.  The rank writes the largest difference after every step to
-``<out>/rank<R>.json``.
+unsharded ``OffloadAdamW``; the activations checkpointed (argument ``checkpoint``) or
+planned (the ``memory_plan`` spec's options).  The rank writes the largest difference
+after every step to ``<out>/<checkpoint|plan>-rank<R>.json``.  With the argument
+``lightning``, the services and ZeRO1 run under ``lightning.Trainer(strategy="ddp")``
+instead (:func:`lightning`).
 """
 
 from __future__ import annotations
@@ -150,6 +153,71 @@ def by_hand(
     return streamer, activations, stepper
 
 
+def lightning(rank: int, out: str) -> None:
+    """Under ``lightning.Trainer(strategy="ddp")`` (the process group already made): the
+    services and ZeRO1 vs the same choices by hand in a DDP loop over this rank's rows
+    (the loader's own DistributedSampler, unshuffled: rows rank, rank + 2, ...)."""
+    import lightning.pytorch as pl
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from sakura import SakuraRuntime
+    from sakura_adapters.lightning import LightningAdapter
+    from sakura_zero import ZeRO1
+
+    class Module(pl.LightningModule):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = lora_llama()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.model(**batch).loss  # type: ignore[no-any-return]
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW([p for _, p in trainable(self.model)], lr=LR)
+
+    data = rows() + rows(seed=5)
+    plain_net = lora_llama()
+    _, _, plain = by_hand(plain_net, checkpoint=True)
+    plain_model = DDP(plain_net, broadcast_buffers=False)
+    mine = data[rank::2]
+    for i in range(0, len(mine), BATCH):
+        batch = {k: torch.stack([r[k] for r in mine[i : i + BATCH]]) for k in mine[0]}
+        plain.zero_grad()
+        plain_model(**batch).loss.backward()
+        plain.step()
+    streamed = StreamWeights()
+    module = Module()
+    with SakuraRuntime(strict=True) as rt:
+        rt.install("quant:nf4")
+        rt.install(streamed)
+        rt.install("activation_checkpoint")
+        rt.install("offload_adamw")
+        zero = rt.install(ZeRO1())
+        trainer = pl.Trainer(
+            strategy="ddp",
+            accelerator="cpu",
+            devices=2,
+            max_epochs=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            default_root_dir=out,
+            callbacks=[LightningAdapter(rt)],
+        )
+        sampler = DistributedSampler(data, num_replicas=2, rank=rank, shuffle=False)
+        trainer.fit(module, DataLoader(data, batch_size=BATCH, sampler=sampler))
+        steps = zero.shardings[0].steps
+    diff = max(
+        (a - b).abs().max().item()
+        for (_, a), (_, b) in zip(trainable(module.model), trainable(plain_net), strict=True)
+    )
+    result = {"diff": diff, "steps": steps, "paged_buffers": streamed.paging.stats.paged_buffers}
+    Path(out, f"lightning-rank{rank}.json").write_text(json.dumps(result))
+
+
 def main() -> None:
     import copy
 
@@ -162,6 +230,10 @@ def main() -> None:
     rank, world, init_file, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     mode = sys.argv[5]  # "checkpoint", or the memory_plan spec's options
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    if mode == "lightning":
+        lightning(rank, out)
+        dist.destroy_process_group()
+        return
     sharded_net = lora_llama()
     plain_net = copy.deepcopy(sharded_net)
     planner: Any = None

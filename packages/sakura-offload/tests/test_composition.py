@@ -3,7 +3,9 @@ activations planned per block (``memory_plan``: keep / page / recompute) or chec
 (``activation_checkpoint``) and ``OffloadAdamW`` stepping the LoRA weights, all installed
 as services, give the same LoRA weights as the same choices applied by hand in a plain
 loop: under a real ``lightning.Trainer``, a real ``transformers.Trainer``, a raw loop
-(``DDPAdapter``) and ZeRO1 on 2 gloo ranks.  The model, data and by-hand reference are in
+(``DDPAdapter``) and ZeRO1 on 2 gloo ranks (a raw DDP loop, and Lightning's
+``strategy="ddp"``).  Every comparison is ``torch.equal``: no framework changes the
+arithmetic here (no padding, so the HF Trainer's token-count loss equals the mean).  The model, data and by-hand reference are in
 ``_composition_rank.py`` (shared with the rank worker)."""
 
 from __future__ import annotations
@@ -453,3 +455,30 @@ def test_hf_trainer_clipping_refuses_eager_updates_before_training(tmp_path: Pat
             trainer.train()
     start = dict(trainable(lora_llama()))
     assert all(torch.equal(p, start[name]) for name, p in trainable(model))
+
+
+def test_lightning_ddp_zero1_on_two_ranks_composes_bit_identically(tmp_path: Path) -> None:
+    """A real lightning.Trainer(strategy="ddp") on 2 gloo ranks (started as torchrun
+    would, so Lightning makes no processes of its own), with the services and ZeRO1: the
+    same LoRA weights as the choices by hand in a DDP loop over each rank's rows."""
+    pytest.importorskip("lightning.pytorch")
+    pytest.importorskip("sakura_zero")
+    pytest.importorskip("sakura_precision")
+    from sakura.testing import launch_ranks
+
+    env = {
+        "TORCHELASTIC_RUN_ID": "sakura-composition-test",  # processes made externally
+        "GROUP_RANK": "0",
+        "LOCAL_WORLD_SIZE": "2",
+        # read by Lightning's environment object only: the worker makes the process
+        # group with a file rendezvous, nothing listens on this port
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29401",
+    }
+    worker = Path(__file__).with_name("_composition_rank.py")
+    launch_ranks(worker, 2, tmp_path, "lightning", timeout=240, env=env)
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"lightning-rank{rank}.json").read_text())
+        assert result["diff"] == 0.0
+        assert result["steps"] == STEPS  # 16 rows, 8 a rank, 2 a batch
+        assert result["paged_buffers"] == 7 * 2 * 3
