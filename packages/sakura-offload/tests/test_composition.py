@@ -5,8 +5,9 @@ as services, give the same LoRA weights as the same choices applied by hand in a
 loop: under a real ``lightning.Trainer``, a real ``transformers.Trainer``, a raw loop
 (``DDPAdapter``) and ZeRO1 on 2 gloo ranks (a raw DDP loop, and Lightning's
 ``strategy="ddp"``).  Every comparison is ``torch.equal``: no framework changes the
-arithmetic here (no padding, so the HF Trainer's token-count loss equals the mean).  The model, data and by-hand reference are in
-``_composition_rank.py`` (shared with the rank worker)."""
+arithmetic here (no padding, so the HF Trainer's token-count loss equals the mean).
+The model, data and by-hand reference are in ``_composition_rank.py`` (shared with the
+rank worker)."""
 
 from __future__ import annotations
 
