@@ -405,8 +405,9 @@ class ZeRO2(_ZeRO):
             message = (
                 f"{self._who}: {clip} clips by a norm over all "
                 f"gradients, but under ZeRO2 each rank holds only the gradients it owns, so "
-                f"that norm would be wrong; use ZeRO1, or clip in the LightningModule with "
-                f"zero.clip_grad_norm_(optimizer, max_norm) (in on_before_optimizer_step)"
+                f"that norm would be wrong; use ZeRO1, or turn that clipping off and clip "
+                f"with zero.clip_grad_norm_(optimizer, max_norm) before the optimizer step "
+                f"(Lightning: in on_before_optimizer_step)"
             )
             for sharding in self._shardings:
                 sharding.step_error = message
