@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from sakura import SakuraRuntime
+from sakura import OnTrainBegin, SakuraRuntime
+from sakura.loop import LoopContext
 from sakura.testing import ServiceConformance
 from sakura_zero import ZeRO1, ZeRO2
 from sakura_zero.checkpoint import find_shards, shard_path
@@ -162,6 +163,31 @@ def test_zero2_without_ddp_on_one_rank(tmp_path: Path) -> None:
                 optimizer.step()
         with pytest.raises(RuntimeError, match="every backward since the last step ran inside"):
             optimizer.step()
+
+
+@pytest.mark.parametrize("clipping", [None, "TrainingArguments(max_grad_norm=1.0)"])
+def test_zero2_refuses_the_loops_own_clipping_from_the_loop_context(clipping: str | None) -> None:
+    """Whatever the framework: the adapter publishes its own clipping on
+    ``OnTrainBegin.loop.gradient_clipping`` and ZeRO2 refuses the step, naming it."""
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    with SakuraRuntime([ZeRO2()], strict=True) as rt:
+        rt.prepare(model, optimizer)
+        rt.emit(
+            OnTrainBegin,
+            model=model,
+            optimizer=optimizer,
+            loop=LoopContext(framework="toy", gradient_clipping=clipping),
+        )
+        if clipping is None:
+            train(model, optimizer)
+            return
+        model(torch.randn(3, 4)).sum().backward()
+        with pytest.raises(RuntimeError) as caught:
+            optimizer.step()
+    message = str(caught.value)
+    assert "TrainingArguments(max_grad_norm=1.0) clips by a norm over all gradients" in message
+    assert "zero.clip_grad_norm_(optimizer, max_norm)" in message
 
 
 def test_sharded_files_round_trip_and_errors(tmp_path: Path) -> None:
