@@ -21,6 +21,7 @@ from torch import nn
 
 from sakura.marks import RECOMPUTED, get_mark, has_mark
 from sakura.options import check_bool, check_int, check_number, option_error
+from sakura_offload.host_optimizer.placement import ram_floor as default_ram_floor
 from sakura_offload.paging.activations import ActivationPaging
 from sakura_offload.planner.apply import (
     _Meter,
@@ -52,6 +53,7 @@ from sakura_offload.planner.plan import (
     BlockDecision,
     MemoryBudgetError,
     MemoryPlan,
+    RamSwitch,
     parse_bytes,
 )
 from sakura_torch.blocks import find_blocks, validate_selector
@@ -62,6 +64,7 @@ __all__ = [
     "MemoryBudgetError",
     "MemoryPlan",
     "MemoryPlanner",
+    "RamSwitch",
     "default_host_budget",
     "parse_bytes",
     "plan_memory",
@@ -95,6 +98,12 @@ class MemoryPlanner:
             time.
         track: count the live bytes of saved activations under the plan
             (``measured_peak``); costs a hook per saved tensor.
+        ram_floor: host RAM always left free while training (bytes or ``"4GiB"``-style).
+            ``None``: 10 % of physical RAM, at least 4 GiB (the host optimizer's floor,
+            :func:`~sakura_offload.host_optimizer.placement.ram_floor`).  At the start of
+            each forward pass under the plan, when available RAM is under it, half of the
+            blocks still paged to host RAM recompute instead (``MemoryPlan.ram_switches``
+            records it, a warning names it); they are not switched back.
     """
 
     def __init__(
@@ -110,6 +119,7 @@ class MemoryPlanner:
         disk_bandwidth: float | None = None,
         cost_trials: int = 3,
         track: bool = False,
+        ram_floor: Any = None,
     ) -> None:
         self.budget = parse_bytes("budget", budget, minimum=1, allow_none=True)
         self.blocks_selector = validate_selector(blocks, owner=_OWNER)
@@ -129,6 +139,7 @@ class MemoryPlanner:
         )  # fmt: skip
         self.cost_trials: int = check_int("cost_trials", cost_trials, minimum=0, owner=_OWNER)
         self.track = check_bool("track", track, owner=_OWNER)
+        self.ram_floor = parse_bytes("ram_floor", ram_floor, allow_none=True)
         self.model: nn.Module | None = None
         self.device = torch.device("cpu")
         self.names: list[str] = []
@@ -149,6 +160,9 @@ class MemoryPlanner:
         self.on_planned: Callable[[MemoryPlan], None] | None = None
         self.measure_forwards = 1
         self._timed: tuple[int, dict[int, dict[str, float]]] | None = None
+        self.on_switched: Callable[[MemoryPlan], None] | None = None
+        self._first_block = -1
+        self._forwards = 0
 
     # --- attaching ---------------------------------------------------------------------
 
@@ -361,6 +375,10 @@ class MemoryPlanner:
         return result
 
     # --- running under a plan ----------------------------------------------------------
+
+    def floor(self, total: int) -> int:
+        """Host RAM to leave free on a machine of ``total`` bytes (``ram_floor``)."""
+        return self.ram_floor if self.ram_floor is not None else default_ram_floor(total)
 
     @property
     def measured_peak(self) -> int:

@@ -1,11 +1,13 @@
 """Applying a plan: each planned block's ``forward`` keeps, pages (saved-tensor hooks) or
 recomputes (``torch.utils.checkpoint``, non-reentrant, RNG state preserved) its saved
 activations; with ``track=True`` the live bytes of saved activations are counted, including
-what backward brings back.  See ``docs/offload.md``, "The memory planner: design"."""
+what backward brings back.  The host-RAM floor is held at run time (:func:`hold_ram_floor`,
+once per forward pass of the model).  See ``docs/offload.md``, "The memory planner: design"."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import types
@@ -29,13 +31,15 @@ from sakura_offload.planner.measure import (
     _tensor_leaves,
     _weights_of,
     measure_call,
+    order,
 )
-from sakura_offload.planner.plan import MemoryPlan
+from sakura_offload.planner.plan import MemoryPlan, RamSwitch
+from sakura_torch.host_memory import host_ram
 
 if TYPE_CHECKING:
     from sakura_offload.planner import MemoryPlanner
 
-__all__ = ["apply_plan", "keep_pack", "run_plain", "tracked_call"]
+__all__ = ["apply_plan", "hold_ram_floor", "keep_pack", "run_plain", "tracked_call"]
 
 _LOG = logging.getLogger("sakura_offload.planner")
 
@@ -203,6 +207,8 @@ class _PlannedForward:
         planner = self.planner
         if self.choice == "measure":
             return measure_call(planner, self.index, forward, args, kwargs)
+        if self.index == planner._first_block:  # once per forward pass of the model
+            hold_ram_floor(planner)
         if not planner.track:
             return run_plain(
                 planner,
@@ -350,6 +356,50 @@ def _unpack_held(packed: Any) -> torch.Tensor:
     return _restore(packed)  # type: ignore[no-any-return]
 
 
+def hold_ram_floor(planner: MemoryPlanner) -> None:
+    """If host RAM available is under the planner's floor, half (rounded up) of the blocks
+    still paged to host RAM recompute instead, from this forward on: those with the most
+    pageable bytes.  The applied plan records the switch (:class:`RamSwitch`) and a warning
+    names it.  One reading of ``/proc/meminfo`` per call; nothing when no block pages to
+    host RAM.  Switching back when RAM frees up is not done."""
+    plan = planner.applied
+    if plan is None:
+        return
+    planner._forwards += 1
+    paged = [i for i, d in enumerate(plan.decisions) if d.choice == "page_host"]
+    if not paged:
+        return
+    available, total = host_ram()
+    floor = planner.floor(total)
+    if available >= floor:
+        return
+    paged.sort(key=lambda i: -plan.decisions[i].pageable_bytes)
+    chosen = sorted(paged[: (len(paged) + 1) // 2])
+    decisions = list(plan.decisions)
+    for i in chosen:
+        d = decisions[i]
+        decisions[i] = dataclasses.replace(
+            d, choice="recompute", cost_seconds=dict(d.costs).get("recompute", d.forward_seconds)
+        )
+    switch = RamSwitch(
+        forward=planner._forwards,
+        blocks=tuple(decisions[i].name for i in chosen),
+        available=available,
+        floor=floor,
+    )
+    new = dataclasses.replace(
+        plan,
+        decisions=tuple(decisions),
+        ram_switches=(*plan.ram_switches, switch),
+    )
+    for i in chosen:
+        planner.wrappers[i].choice = "recompute"
+    planner.applied = new
+    _LOG.warning("%s", switch.describe())
+    if planner.on_switched is not None:
+        planner.on_switched(new)
+
+
 def apply_plan(planner: MemoryPlanner, plan: MemoryPlan) -> None:
     """Make ``plan`` the one the planner's blocks run under."""
     planner._refresh_param_keys()
@@ -358,6 +408,8 @@ def apply_plan(planner: MemoryPlanner, plan: MemoryPlan) -> None:
     }
     for wrapper, decision in zip(planner.wrappers, plan.decisions, strict=True):
         wrapper.choice = decision.choice
+    planner._first_block = order(planner)[0] if planner.wrappers else -1
+    planner._forwards = 0
     planner.applied = plan
     if not planner.track:
         for handle in planner._hooks:

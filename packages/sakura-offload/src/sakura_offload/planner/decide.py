@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sakura.options import check_choice, option_error
+from sakura_offload.host_optimizer.placement import ram_floor
 from sakura_offload.planner.cost import Costs
 from sakura_offload.planner.plan import (
     _OWNER,
@@ -42,7 +43,7 @@ def default_host_budget() -> int:
     """Host RAM that paging may use: at most 60 % of what is available, always leaving
     10 % of physical RAM (at least 4 GiB) free."""
     available, total = host_ram()
-    margin = max(total // 10, 4 * 2**30)
+    margin = ram_floor(total)
     return max(0, min(int(available * 0.6), available - margin))
 
 

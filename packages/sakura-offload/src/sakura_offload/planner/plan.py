@@ -18,6 +18,7 @@ __all__ = [
     "BlockDecision",
     "MemoryBudgetError",
     "MemoryPlan",
+    "RamSwitch",
     "parse_bytes",
 ]
 
@@ -145,6 +146,26 @@ def _resident(d: BlockDecision, choice: str) -> int:
 
 
 @dataclass(frozen=True)
+class RamSwitch:
+    """Blocks switched at run time from paging to host RAM to recomputation because the
+    RAM available fell under the floor (``MemoryPlanner(ram_floor=...)``)."""
+
+    forward: int
+    """The forward pass (counted from the plan's application, from 1) it took effect in."""
+    blocks: tuple[str, ...]
+    available: int
+    """Bytes of host RAM available when it was read."""
+    floor: int
+
+    def describe(self) -> str:
+        return (
+            f"memory plan: host RAM available {_mb(self.available)} is under the floor "
+            f"{_mb(self.floor)} (ram_floor); from forward {self.forward} blocks "
+            f"{', '.join(self.blocks)} recompute instead of paging to host RAM"
+        )
+
+
+@dataclass(frozen=True)
 class MemoryPlan:
     """A decision per block (``decisions``), with the estimates it was made from."""
 
@@ -165,6 +186,9 @@ class MemoryPlan:
     device: str
     cost_trials: int = 0
     """Timed rounds per choice the costs were measured with (0: estimated)."""
+    ram_switches: tuple[RamSwitch, ...] = ()
+    """Switches made at run time to hold the host-RAM floor, in order (``decisions``
+    shows the choices after them; the estimates are those of the plan as made)."""
 
     @property
     def choices(self) -> dict[str, str]:
@@ -208,6 +232,7 @@ class MemoryPlan:
                 + "".join(f"  {costs.get(c, math.nan) * 1e3:>{_COLUMN}.2f}" for c in options)
                 + f"  {d.label:<11}  {d.cost_seconds * 1e3:>10.2f}"
             )
+        lines += [s.describe() for s in self.ram_switches]
         return "\n".join(lines)
 
     def __str__(self) -> str:

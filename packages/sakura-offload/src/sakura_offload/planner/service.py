@@ -20,7 +20,8 @@ class MemoryPlannerService(Service):
     ``wrap_model`` attaches a :class:`MemoryPlanner` (its options are the planner's); the
     first ``measure_steps`` training forward passes (under grad) measure the blocks with
     everything kept (paged to host RAM on a GPU), and the plan is applied from the next
-    one.  ``report=True`` prints the plan's table when it is made; ``plan`` holds it.
+    one.  ``report=True`` prints the plan's table when it is made; ``plan`` holds it (and,
+    after a switch to hold ``ram_floor``, the plan as switched).
     """
 
     name = "memory_plan"
@@ -39,6 +40,7 @@ class MemoryPlannerService(Service):
         disk_bandwidth: float | None = None,
         cost_trials: int = 3,
         track: bool = False,
+        ram_floor: Any = None,
         measure_steps: int = 2,
         report: bool = True,
         priority: float | None = None,
@@ -59,15 +61,20 @@ class MemoryPlannerService(Service):
             disk_bandwidth=disk_bandwidth,
             cost_trials=cost_trials,
             track=track,
+            ram_floor=ram_floor,
         )
         self.planner.measure_forwards = self.measure_steps
         self.planner.on_planned = self._planned
+        self.planner.on_switched = self._switched
         self.plan: MemoryPlan | None = None
 
     def _planned(self, plan: MemoryPlan) -> None:
         self.plan = plan
         if self.report:
             print(plan.table(), flush=True)
+
+    def _switched(self, plan: MemoryPlan) -> None:
+        self.plan = plan  # the planner's warning names the switch; the table ends with it
 
     def wrap_model(self, model: Any) -> Any:
         if not isinstance(model, nn.Module):
