@@ -211,3 +211,29 @@ def test_ram_floor_is_validated(bad: Any) -> None:
     assert repr(bad) in str(error.value) and "a number of bytes" in str(error.value)
     with pytest.raises(OptionError, match=r"ram_floor="):
         MemoryPlannerService(1, ram_floor=bad)
+
+
+def test_fit_holds_the_floor_too(kept: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``sakura_offload.wrap``'s planner is a MemoryPlanner with the default floor."""
+    import sakura_offload
+
+    total = 100 * GIB
+    machine = Machine(LOW_FROM, low=GIB, total=total)
+    monkeypatch.setattr(planner_apply, "host_ram", machine)
+    model = llama()
+    holder: dict[str, Any] = {}
+
+    def on_step(step: int) -> None:
+        machine.step = step
+        if step == 2:  # planned on step 1's forward (everything kept): page three blocks
+            holder["planner"] = model.sakura_fit.planner
+            holder["planner"].decide(PAGED)
+
+    model, _ = sakura_offload.wrap(model, device_budget="1TB", activations="plan", report=False)
+    params = train(model, on_step=on_step)
+    assert all(torch.equal(a, b) for a, b in zip(params, kept, strict=True))
+    applied = holder["planner"].applied
+    assert [(s.forward, s.blocks, s.floor) for s in applied.ram_switches] == [
+        (LOW_FROM - 1, (LAYERS[0], LAYERS[1]), 10 * GIB), (LOW_FROM, (LAYERS[2],), 10 * GIB)
+    ]  # fmt: skip
+    sakura_offload.unwrap(model)
