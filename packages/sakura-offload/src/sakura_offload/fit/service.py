@@ -16,7 +16,9 @@ from typing import Any
 from torch import nn
 
 from sakura import Service
+from sakura.events import OnLog
 from sakura.options import check_number
+from sakura_offload.fit.metrics import FitMetrics
 from sakura_offload.fit.wrap import FitState, apply_fit, fit_options, plan_fit
 
 __all__ = ["FitService"]
@@ -26,19 +28,32 @@ _OWNER = "FitService"
 
 class FitService(Service):
     """Spec ``fit[:device_budget][,host_budget=..,disk_offload=..,choices=..,moment_dtype=..,
-    activations=..,activation_reserve=..,prefetch=..,cost_trials=..,report=..,blocks=..]``,
-    e.g. ``fit:device_budget=2GiB,host_budget=8GiB,disk_offload=/tmp/x``.  The options are
-    :func:`sakura_offload.wrap`'s."""
+    activations=..,activation_reserve=..,prefetch=..,cost_trials=..,report=..,blocks=..,
+    log_every=..]``, e.g. ``fit:device_budget=2GiB,host_budget=8GiB,disk_offload=/tmp/x``.
+    The options are :func:`sakura_offload.wrap`'s, and ``log_every`` (default 50, 0: never):
+    every that many optimizer steps the ``sakura_*`` metrics of
+    :mod:`sakura_offload.fit.metrics` go to the loop's ``report_metrics`` (Lightning's
+    loggers, the HF Trainer's ``log_history``), or as an ``OnLog`` event (a raw loop's
+    ``Telemetry``) when the loop offers none."""
 
     name = "fit"
     priority: float = 55
 
-    def __init__(self, device_budget: Any = None, *, priority: float | None = None, **options: Any):
+    def __init__(
+        self,
+        device_budget: Any = None,
+        *,
+        priority: float | None = None,
+        log_every: Any = 50,
+        **options: Any,
+    ):
+        self.metrics = FitMetrics(log_every, owner=_OWNER)
         self.options = fit_options(device_budget=device_budget, owner=_OWNER, **options)
         if priority is not None:
             self.priority = check_number("priority", priority, owner=_OWNER)
         self.state: FitState | None = None
         self._adamw: Any = None
+        self._rt: Any = None
 
     def wrap_model(self, model: Any) -> Any:
         if not isinstance(model, nn.Module):
@@ -47,6 +62,7 @@ class FitService(Service):
             return model
         plan, choices, budgets = plan_fit(model, None, self.options, assume_adamw=True)
         self.state = apply_fit(model, None, plan, choices, budgets, self.options)
+        self.metrics.model = model
         return model
 
     def wrap_optimizer(self, optimizer: Any) -> Any:
@@ -68,13 +84,23 @@ class FitService(Service):
         state.optimizer = self._adamw.wrap_optimizer(optimizer)
         return state.optimizer
 
+    def setup(self, runtime: Any) -> None:
+        self._rt = runtime  # emits the metrics as OnLog when the loop cannot report them
+
     def on_train_begin(self, event: Any) -> None:
+        loop = getattr(event, "loop", None)
+        self.metrics.begin(getattr(loop, "report_metrics", None))
         if self._adamw is not None:
             self._adamw.on_train_begin(event)
 
     def on_optimizer_step(self, event: Any) -> None:
         if self._adamw is not None:
             self._adamw.on_optimizer_step(event)
+        self.metrics.step(event.epoch, event.step, self._emit_log)
+
+    def _emit_log(self, metrics: Any, epoch: int, step: int) -> None:
+        if self._rt is not None:
+            self._rt.emit(OnLog, step=step, epoch=epoch, logs=metrics)
 
     def teardown(self) -> None:
         if self._adamw is not None:
