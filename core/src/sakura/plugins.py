@@ -100,7 +100,7 @@ KNOWN_PROVIDERS: dict[str, str] = {
     "memory_plan": "sakura-offload",
     "MemoryPlannerService": "sakura-offload",
     "fit": "sakura-offload",
-    "FitService": "sakura-offload",
+    "Fit": "sakura-offload",
 }
 """Names provided by first-party packages (spec names and facade class names), so a
 missing one says what to install.  ``core/tests/test_known_providers.py`` checks it against

@@ -16,7 +16,7 @@ from test_fit import HUGE, ladder, lora_llama
 import sakura_offload
 from sakura import SakuraRuntime
 from sakura.telemetry import Telemetry
-from sakura_offload.fit import FitService
+from sakura_offload.fit import Fit
 from sakura_offload.fit.metrics import FitMetrics, fit_metrics
 
 pytest.importorskip("peft")
@@ -37,7 +37,7 @@ def _rows() -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": r, "labels": r} for r in torch.randint(0, 61, (8, 12), generator=g)]
 
 
-def _expected(service: FitService, model: Any) -> dict[str, int]:
+def _expected(service: Fit, model: Any) -> dict[str, int]:
     """What memory_report and stats say after training (the last report's step)."""
     report = sakura_offload.memory_report(model)
     stats = service.state.optimizer.stats()  # type: ignore[union-attr]
@@ -194,5 +194,5 @@ def test_wrap_metrics_match_memory_report() -> None:
 
 @pytest.mark.parametrize("value", [-1, "x", 1.5])
 def test_bad_log_every(value: Any) -> None:
-    with pytest.raises(ValueError, match=r"FitService: log_every=.* is not accepted"):
-        FitService(log_every=value)
+    with pytest.raises(ValueError, match=r"Fit: log_every=.* is not accepted"):
+        Fit(log_every=value)

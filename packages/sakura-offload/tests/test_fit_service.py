@@ -13,7 +13,7 @@ from test_fit import HUGE, adamw, assert_same, by_hand, ladder, lora_llama, trai
 
 import sakura_offload
 from sakura import SakuraRuntime
-from sakura_offload.fit import FitService
+from sakura_offload.fit import Fit
 
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
@@ -49,7 +49,7 @@ def _runtime_training(spec: str) -> tuple[dict[str, torch.Tensor], Any]:
     model = lora_llama()
     with SakuraRuntime(strict=True) as rt:
         service = rt.install(spec)
-        assert isinstance(service, FitService)
+        assert isinstance(service, Fit)
         model, optimizer = rt.prepare(model, adamw(model))
         g = torch.Generator().manual_seed(3)
         for _ in range(3):
@@ -87,10 +87,10 @@ def test_service_spec_options() -> None:
 
 
 def test_service_options_are_checked() -> None:
-    with pytest.raises(ValueError, match="FitService: prefetch=-1 is not accepted"):
-        FitService(prefetch=-1)
+    with pytest.raises(ValueError, match="Fit: prefetch=-1 is not accepted"):
+        Fit(prefetch=-1)
     with pytest.raises(ValueError, match="device_budget='x'"):
-        FitService("x")
+        Fit("x")
 
 
 def test_unwrap_puts_every_weight_back() -> None:

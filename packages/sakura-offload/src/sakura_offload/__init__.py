@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from sakura_offload.fit import (
+        Fit,
         FitChoice,
         FitError,
         FitOption,
-        FitService,
         memory_report,
         unwrap,
         wrap,
@@ -45,7 +45,7 @@ _EXPORTS = {
     "FitChoice": "sakura_offload.fit.choices",
     "FitError": "sakura_offload.fit.decide",
     "FitOption": "sakura_offload.fit.choices",
-    "FitService": "sakura_offload.fit.service",
+    "Fit": "sakura_offload.fit.service",
     "memory_report": "sakura_offload.fit.report",
     "unwrap": "sakura_offload.fit.wrap",
     "wrap": "sakura_offload.fit.wrap",
@@ -67,10 +67,10 @@ _EXPORTS = {
 
 __all__ = [
     "ActivationPaging",
+    "Fit",
     "FitChoice",
     "FitError",
     "FitOption",
-    "FitService",
     "MemoryBudgetError",
     "MemoryPlan",
     "MemoryPlanner",

@@ -30,7 +30,7 @@ def sakura_register_services(register: Register) -> None:
     )
     register(
         "fit",
-        "sakura_offload.fit.service:FitService",
+        "sakura_offload.fit.service:Fit",
         description="decides where optimizer, frozen weights and activations live to fit the "
         "device and host budgets",
     )

@@ -1,7 +1,7 @@
 """``fit``: one call that decides how a model trains in the memory it has.
 
 :func:`~sakura_offload.fit.wrap.wrap` / :func:`~sakura_offload.fit.wrap.unwrap` for plain
-loops, the ``fit`` service (:class:`~sakura_offload.fit.service.FitService`) under
+loops, the ``fit`` service (:class:`~sakura_offload.fit.service.Fit`) under
 ``rt.prepare``; decisions in :mod:`.decide` (pure, from measured sizes and budgets), the
 plugin hook for fit choices (a quantized base: sakura-quant's) in :mod:`.choices`, the plan's
 table and :func:`~sakura_offload.fit.report.memory_report` in :mod:`.report`.  Guide:
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from sakura_offload.fit.choices import FitChoice, FitChoiceError, FitOption, fit_choices
     from sakura_offload.fit.decide import Budgets, FitError, FitPlan, ModelSizes, decide
     from sakura_offload.fit.report import memory_report, plan_table
-    from sakura_offload.fit.service import FitService
+    from sakura_offload.fit.service import Fit
     from sakura_offload.fit.wrap import FitState, measure, unwrap, wrap
 
 # Exports load on first use: the plugin module adds the choices hook through
@@ -34,7 +34,7 @@ _EXPORTS = {
     "decide": "sakura_offload.fit.decide",
     "memory_report": "sakura_offload.fit.report",
     "plan_table": "sakura_offload.fit.report",
-    "FitService": "sakura_offload.fit.service",
+    "Fit": "sakura_offload.fit.service",
     "FitState": "sakura_offload.fit.wrap",
     "measure": "sakura_offload.fit.wrap",
     "unwrap": "sakura_offload.fit.wrap",
@@ -43,12 +43,12 @@ _EXPORTS = {
 
 __all__ = [
     "Budgets",
+    "Fit",
     "FitChoice",
     "FitChoiceError",
     "FitError",
     "FitOption",
     "FitPlan",
-    "FitService",
     "FitState",
     "ModelSizes",
     "decide",

@@ -94,7 +94,7 @@ class FitMetrics:
     which a raw loop's ``Telemetry`` records), and as a DEBUG line of the logger
     ``sakura_offload.fit``.  The per-step cost is one counter increment."""
 
-    def __init__(self, log_every: Any = 50, *, owner: str = "FitService") -> None:
+    def __init__(self, log_every: Any = 50, *, owner: str = "Fit") -> None:
         self.log_every = check_int("log_every", log_every, minimum=0, owner=owner)
         self._steps = 0
         self._planned = False

@@ -21,12 +21,12 @@ from sakura.options import check_number
 from sakura_offload.fit.metrics import FitMetrics
 from sakura_offload.fit.wrap import FitState, apply_fit, fit_options, plan_fit
 
-__all__ = ["FitService"]
+__all__ = ["Fit"]
 
-_OWNER = "FitService"
+_OWNER = "Fit"
 
 
-class FitService(Service):
+class Fit(Service):
     """Spec ``fit[:device_budget][,host_budget=..,disk_offload=..,choices=..,moment_dtype=..,
     activations=..,activation_reserve=..,prefetch=..,cost_trials=..,report=..,blocks=..,
     log_every=..]``, e.g. ``fit:device_budget=2GiB,host_budget=8GiB,disk_offload=/tmp/x``.
@@ -57,7 +57,7 @@ class FitService(Service):
 
     def wrap_model(self, model: Any) -> Any:
         if not isinstance(model, nn.Module):
-            raise TypeError(f"FitService needs a torch.nn.Module, got {type(model).__name__}")
+            raise TypeError(f"Fit needs a torch.nn.Module, got {type(model).__name__}")
         if self.state is not None:
             return model
         plan, choices, budgets = plan_fit(model, None, self.options, assume_adamw=True)
