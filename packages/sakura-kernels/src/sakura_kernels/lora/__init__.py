@@ -1,0 +1,1 @@
+"""(being built: see the sakura-kernels README)."""
