@@ -12,15 +12,31 @@ picks one from the ``backend`` option.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, cast
 
 import torch
 
 from sakura_offload.host_optimizer import moments as fmt
-from sakura_offload.host_optimizer.kernel import Kernel, load_cuda_kernel, load_kernel
+from sakura_offload.host_optimizer.kernel import (
+    FORMATS,
+    Job,
+    Kernel,
+    load_cuda_kernel,
+    load_kernel,
+)
 
-__all__ = ["Backend", "CudaBackend", "Hyper", "KernelBackend", "TorchBackend", "resolve_backend"]
+__all__ = [
+    "Backend",
+    "CudaBackend",
+    "Hyper",
+    "KernelBackend",
+    "TorchBackend",
+    "Update",
+    "resolve_backend",
+    "run_each",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +66,41 @@ class Hyper:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class Update:
+    """One tensor's update for :meth:`Backend.batch`: flat float32 weights ``p`` and
+    gradient ``g``; ``m`` / ``v`` the moments (fp32 or bf16), or for int8 the codes of
+    ``exp_avg`` / ``sqrt(exp_avg_sq)`` with ``m_absmax`` / ``v_absmax``."""
+
+    p: torch.Tensor
+    g: torch.Tensor
+    m: torch.Tensor
+    v: torch.Tensor
+    h: Hyper
+    m_absmax: torch.Tensor | None = None
+    v_absmax: torch.Tensor | None = None
+
+
+def run_each(backend: Backend, moment_dtype: str, updates: Sequence[Update]) -> None:
+    """``updates`` one call per tensor (what :meth:`Backend.batch` does without a batched
+    kernel)."""
+    for u in updates:
+        if moment_dtype == "float32":
+            backend.fp32(u.p, u.g, u.m, u.v, u.h)
+        elif moment_dtype == "bfloat16":
+            backend.bf16(u.p, u.g, u.m, u.v, u.h)
+        else:
+            m_absmax, v_absmax = cast(torch.Tensor, u.m_absmax), cast(torch.Tensor, u.v_absmax)
+            backend.int8(u.p, u.g, u.m, m_absmax, u.v, v_absmax, u.h)
+
+
 class Backend(Protocol):
     name: str
+
+    def batch(self, moment_dtype: str, updates: Sequence[Update]) -> None:
+        """Every update of ``updates`` (``moment_dtype``: ``"float32"``, ``"bfloat16"`` or
+        ``"int8"``), as the per-tensor methods would do them one by one."""
+        ...
 
     def fp32(
         self, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: Hyper
@@ -80,6 +129,26 @@ class KernelBackend:
 
     def __init__(self, kernel: Kernel) -> None:
         self.kernel = kernel
+
+    def batch(self, moment_dtype: str, updates: Sequence[Update]) -> None:
+        """One kernel call for all ``updates``: their work items (16384 values each) shared
+        by the threads in one parallel region, the same results as one call per tensor."""
+        jobs = (Job * len(updates))()
+        for job, u in zip(jobs, updates, strict=True):
+            job.p, job.g, job.m, job.v = (t.data_ptr() for t in (u.p, u.g, u.m, u.v))
+            if u.m_absmax is not None and u.v_absmax is not None:
+                job.m_absmax, job.v_absmax = u.m_absmax.data_ptr(), u.v_absmax.data_ptr()
+            job.n = u.p.numel()
+            job.hyper[:] = u.h.floats()
+            job.key = u.h.key
+        self.kernel.batch(FORMATS[moment_dtype], jobs, len(updates), torch.get_num_threads())
+
+    def zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed flat host tensor on transparent huge pages where the OS grants them
+        (the optimizer's moments and masters: fewer TLB misses in the update)."""
+        tensor = torch.empty(numel, dtype=dtype)
+        self.kernel.advise_huge(tensor)
+        return tensor.zero_()
 
     def fp32(
         self, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: Hyper
@@ -153,6 +222,9 @@ class TorchBackend:
 
     name = "torch"
 
+    def batch(self, moment_dtype: str, updates: Sequence[Update]) -> None:
+        run_each(self, moment_dtype, updates)
+
     def fp32(
         self, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: Hyper
     ) -> None:
@@ -206,6 +278,9 @@ class CudaBackend:
         self.library = library
         self.host = host
         self.emulate = emulate
+
+    def batch(self, moment_dtype: str, updates: Sequence[Update]) -> None:
+        run_each(self, moment_dtype, updates)
 
     def check_reachable(self, tensor: torch.Tensor) -> None:
         """Raise unless the kernel can address ``tensor`` in place: device memory, or

@@ -18,15 +18,22 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from sakura_torch.native import NativeLibrary
+from sakura_torch.native import DEFAULT_CFLAGS, NativeLibrary
 from sakura_torch.native_cuda import CudaLibrary
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "CACHE_ENV",
+    "CFLAGS",
     "CUDA_LIBRARY",
+    "FORMATS",
     "LIBRARY",
     "NO_KERNEL_ENV",
+    "Job",
     "Kernel",
     "kernel_disabled",
     "load_cuda_kernel",
@@ -56,6 +63,23 @@ class Kernel:
         return self.library.sakura_adamw_int8
 
     @property
+    def batch(self) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+        """``batch(format, jobs, count, threads)``: several tensors' updates in one call
+        (``format`` from :data:`FORMATS`, ``jobs`` an array of :class:`Job`)."""
+        return self.library.sakura_adamw_batch
+
+    @property
+    def vector_width(self) -> int:
+        """16 where the AVX-512 loops are compiled in, 1 for the portable ones."""
+        return int(self.library.sakura_offload_vector_width())
+
+    def advise_huge(self, tensor: torch.Tensor) -> int:
+        """Ask for transparent huge pages under ``tensor``'s storage (before it is first
+        written); the bytes advised (0 where the OS declines)."""
+        nbytes = tensor.numel() * tensor.element_size()
+        return int(self.library.sakura_offload_advise_huge(tensor.data_ptr(), nbytes))
+
+    @property
     def decode_tables(self) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
         return self.library.sakura_decode_tables
 
@@ -63,6 +87,29 @@ class Kernel:
     def triad(self) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
         return self.library.sakura_triad
 
+
+class Job(ctypes.Structure):
+    """One tensor's update in a :attr:`Kernel.batch` call (``Job`` in host_adamw.cpp): the
+    weights, gradient and moments (``m``/``v``: fp32 or bf16 moments, or the int8 codes of
+    ``exp_avg`` and of ``sqrt(exp_avg_sq)`` with their absmaxes), the value count, the
+    eight scalars of :class:`~.backends.Hyper` in its order and the random stream's key."""
+
+    _fields_ = [
+        ("p", ctypes.c_void_p),
+        ("g", ctypes.c_void_p),
+        ("m", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("m_absmax", ctypes.c_void_p),
+        ("v_absmax", ctypes.c_void_p),
+        ("n", ctypes.c_int64),
+        ("hyper", ctypes.c_float * 8),
+        ("key", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint32),
+    ]
+
+
+FORMATS = {"float32": 0, "bfloat16": 1, "int8": 2}
+"""The ``format`` argument of :attr:`Kernel.batch` for each moment format."""
 
 _F, _I64, _I32, _U32, _P = (
     ctypes.c_float,
@@ -88,6 +135,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sakura_decode_tables.restype = None
     lib.sakura_triad.argtypes = [_P, _P, _P, _F, _I64, _I32]
     lib.sakura_triad.restype = None
+    lib.sakura_adamw_batch.argtypes = [_I32, ctypes.POINTER(Job), _I64, _I32]
+    lib.sakura_adamw_batch.restype = None
+    lib.sakura_offload_vector_width.argtypes = []
+    lib.sakura_offload_vector_width.restype = _I32
+    lib.sakura_offload_advise_huge.argtypes = [_P, _I64]
+    lib.sakura_offload_advise_huge.restype = _I64
 
 
 def _declare_cuda(lib: ctypes.CDLL) -> None:
@@ -102,12 +155,17 @@ def _declare_cuda(lib: ctypes.CDLL) -> None:
     lib.sakura_offload_cuda_reachable.restype = _I32
 
 
+CFLAGS = (*DEFAULT_CFLAGS, "-ffp-contract=off")
+"""The host kernel's compiler flags: no multiply-add fused unless the source writes one, so
+its AVX-512 and portable loops round alike."""
+
 LIBRARY = NativeLibrary(
     package="sakura-offload",
     name="sakura_offload_host_adamw",
     sources=[CSRC / "host_adamw.cpp"],
     abi_symbol="sakura_offload_abi_version",
-    abi_version=4,
+    abi_version=5,
+    cflags=CFLAGS,
     declare=_declare,
     what="C++ host AdamW kernel",
     fallback="the pure-torch path, which is slower",

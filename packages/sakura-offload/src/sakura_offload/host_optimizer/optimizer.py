@@ -19,7 +19,13 @@ import torch
 
 from sakura.options import check_int
 from sakura_offload.host_optimizer import moments as fmt
-from sakura_offload.host_optimizer.backends import Backend, CudaBackend, Hyper, resolve_backend
+from sakura_offload.host_optimizer.backends import (
+    Backend,
+    CudaBackend,
+    Hyper,
+    Update,
+    resolve_backend,
+)
 from sakura_offload.host_optimizer.device_stream import CudaTransfer, DeviceTransfer, HostPipeline
 from sakura_offload.host_optimizer.event_wait import EventWait
 from sakura_offload.host_optimizer.options import check_group, check_optimizer_options
@@ -48,6 +54,14 @@ def _pinned(state: dict[str, Any]) -> list[torch.Tensor]:
             state[key] = value.pin_memory()
             pinned.append(state[key])
     return pinned
+
+
+def _update_of(flat: torch.Tensor, g: torch.Tensor, state: dict[str, Any], h: Hyper) -> Update:
+    """The flat tensors of one update (weights or master ``flat``, gradient ``g``)."""
+    if "exp_avg_codes" in state:
+        codes, absmax, s_codes, s_absmax = (state[k] for k in _INT8_KEYS)
+        return Update(flat, g, codes, s_codes, h, absmax, s_absmax)
+    return Update(flat, g, state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1), h)
 
 
 def _grad_hook(ref: weakref.ReferenceType[OffloadAdamW]) -> Callable[[torch.Tensor], None]:
@@ -348,11 +362,16 @@ class OffloadAdamW(torch.optim.Optimizer):
                 loss = closure()
         self._check_eager_grads()
         scale = self._clip_coefficient()
+        # The host updates are gathered and run as one batch (one kernel call, its threads
+        # shared by all tensors: small tensors no longer cost a call and a parallel region
+        # each); the others (CUDA kernel, host pipeline) are started as they come.
+        batch: list[tuple[torch.Tensor, torch.Tensor | None, Update]] = []
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None or p in self._updated:
                     continue
-                self._update(p, group, scale)
+                self._update(p, group, scale, batch)
+        self._run_batch(batch)
         self._counts.clear()
         self._updated.clear()
         self._eager_grads.clear()
@@ -438,11 +457,20 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._devices.clear()
 
     def _init_state(self, p: torch.Tensor, state: dict[str, Any]) -> None:
-        state.update(new_state(p, self.moment_dtype, master=self._needs_master(p)))
+        zeros = getattr(self._host_backend, "zeros", None)  # huge pages from the C++ backend
+        state.update(new_state(p, self.moment_dtype, master=self._needs_master(p), zeros=zeros))
         if self.pin_moments:
             _pinned(state)
 
-    def _update(self, p: torch.Tensor, group: dict[str, Any], grad_scale: float) -> None:
+    def _update(
+        self,
+        p: torch.Tensor,
+        group: dict[str, Any],
+        grad_scale: float,
+        batch: list[tuple[torch.Tensor, torch.Tensor | None, Update]] | None = None,
+    ) -> None:
+        """``p``'s update; a host update is appended to ``batch`` instead where one is
+        given (run by :meth:`_run_batch`)."""
         grad = p.grad
         if grad is None:
             return
@@ -487,12 +515,31 @@ class OffloadAdamW(torch.optim.Optimizer):
             backend = self._host_backend
         master = state.get("master")
         work = master if master is not None else p.detach()
+        if batch is not None and not on_device:
+            batch.append((p, master, _update_of(work.view(-1), g, state, h)))
+            return
         self._run_update(backend, work.view(-1), g, state, h)
         if master is not None:
             # After a CUDA update the copy must be stream-ordered behind the kernel that
             # writes the master: a blocking copy that changes the dtype converts on the host
             # first, and would read the master before the kernel is done.
             p.detach().copy_(master.view(p.shape), non_blocking=on_device)
+
+    def _run_batch(self, batch: list[tuple[torch.Tensor, torch.Tensor | None, Update]]) -> None:
+        """The gathered host updates in one backend call, then their masters copied to the
+        parameters."""
+        if not batch:
+            return
+        start = time.perf_counter()
+        try:
+            self._host_backend.batch(self.moment_dtype, [update for _, _, update in batch])
+        finally:
+            elapsed = time.perf_counter() - start
+            with self._kernel_lock:
+                self._kernel_s += elapsed
+        for p, master, _ in batch:
+            if master is not None:
+                p.detach().copy_(master.view(p.shape))
 
     def _run_update(
         self, backend: Backend, flat: torch.Tensor, g: torch.Tensor, state: dict[str, Any], h: Hyper
@@ -508,13 +555,21 @@ class OffloadAdamW(torch.optim.Optimizer):
     def _run_kernel(
         self, backend: Backend, flat: torch.Tensor, g: torch.Tensor, state: dict[str, Any], h: Hyper
     ) -> None:
+        u = _update_of(flat, g, state, h)
         if self.moment_dtype == "float32":
-            backend.fp32(flat, g, state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1), h)
+            backend.fp32(u.p, u.g, u.m, u.v, h)
         elif self.moment_dtype == "bfloat16":
-            backend.bf16(flat, g, state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1), h)
+            backend.bf16(u.p, u.g, u.m, u.v, h)
         else:
-            codes, absmax, s_codes, s_absmax = (state[k] for k in _INT8_KEYS)
-            backend.int8(flat, g, codes, absmax, s_codes, s_absmax, h)
+            backend.int8(
+                u.p,
+                u.g,
+                u.m,
+                cast(torch.Tensor, u.m_absmax),
+                u.v,
+                cast(torch.Tensor, u.v_absmax),
+                h,
+            )
 
     def _update_through_host(
         self,

@@ -5,7 +5,7 @@ into the optimizer's moment format.  The state-dict plumbing (hooks) is in
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import torch
@@ -35,22 +35,34 @@ def is_direct(p: torch.Tensor) -> bool:
     return p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous()
 
 
-def new_state(p: torch.Tensor, moment_dtype: str, *, master: bool) -> dict[str, Any]:
+def _zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(numel, dtype=dtype)
+
+
+def new_state(
+    p: torch.Tensor,
+    moment_dtype: str,
+    *,
+    master: bool,
+    zeros: Callable[[int, torch.dtype], torch.Tensor] | None = None,
+) -> dict[str, Any]:
     """A fresh state for ``p``: step 0, zero moments in ``moment_dtype`` and, when
-    ``master``, an fp32 master copy of ``p`` in host RAM."""
+    ``master``, an fp32 master copy of ``p`` in host RAM.  ``zeros(numel, dtype)`` allocates
+    each flat host tensor (the C++ backend's puts them on huge pages); torch.zeros if None."""
+    alloc = zeros if zeros is not None else _zeros
     state: dict[str, Any] = {"step": torch.tensor(0.0, dtype=torch.float32)}
     if master:
-        state["master"] = p.detach().to("cpu", torch.float32, copy=True).contiguous()
+        state["master"] = alloc(p.numel(), torch.float32).view(p.shape).copy_(p.detach())
     if moment_dtype == "int8":
         size = fmt.blocks_for(p.numel())
-        state["exp_avg_codes"] = torch.zeros(size * fmt.BLOCK, dtype=torch.uint8)
+        state["exp_avg_codes"] = alloc(size * fmt.BLOCK, torch.uint8)
         state["exp_avg_absmax"] = torch.zeros(size, dtype=torch.float32)
-        state["exp_avg_sq_sqrt_codes"] = torch.zeros(size * fmt.BLOCK, dtype=torch.uint8)
+        state["exp_avg_sq_sqrt_codes"] = alloc(size * fmt.BLOCK, torch.uint8)
         state["exp_avg_sq_sqrt_absmax"] = torch.zeros(size, dtype=torch.float32)
     else:
         dtype = torch.float32 if moment_dtype == "float32" else torch.bfloat16
         for key in MOMENT_KEYS:
-            state[key] = torch.zeros(p.shape, dtype=dtype)
+            state[key] = alloc(p.numel(), dtype).view(p.shape)
     return state
 
 
