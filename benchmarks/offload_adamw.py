@@ -18,10 +18,12 @@ fraction of that bandwidth it reaches, counting the bytes AdamW must move per pa
 28 with fp32 moments (read weight, gradient, two moments; write weight and two moments),
 20 with bf16 moments, 16 with 8-bit moments (the absmax per 256 values is ignored).
 
-Reported: per variant the median over trials of the per-trial mean step time, the min-max
-spread, the ratio to ``torch-fused`` (> 1: slower; the median of the per-trial ratios, with
-their spread) and the bandwidth fraction; the CPU (model, flags) and the load average before
-and after.  Then, each in a fresh process, the host memory OffloadAdamW's
+Reported: the CPU first (model, usable CPUs, SIMD flags: figures from different machines are
+not to be mixed), the host kernel's vector width (16: its AVX-512 loops), then per variant
+the median over trials of the per-trial mean step time, the min-max spread, the ratios to
+``torch-fused``, to ``torch-foreach`` and to the faster of the two in that trial (torch at
+its best; > 1: slower; each the median of the per-trial ratios, with their spread) and the
+bandwidth fraction; the load average before and after.  Then, each in a fresh process, the host memory OffloadAdamW's
 state takes per parameter for each moment format (RSS growth after one step over bf16
 weights, which get fp32 masters as a GPU model's would, and the peak growth during it):
 the reference states about 12 bytes with fp32 moments and 6 with 8-bit ones.  Run: ``python benchmarks/offload_adamw.py`` (``--help``).
@@ -39,6 +41,7 @@ from typing import Any
 from _common import require_status_kib, write_json
 
 from sakura_bench.measure import (
+    cpu_description,
     interleaved,
     load_average,
     load_note,
@@ -58,6 +61,8 @@ VARIANTS = (
     "sakura-int8",
 )
 REFERENCE = "torch-fused"
+RIVALS = ("torch-fused", "torch-foreach")
+BEST_TORCH = "best torch"
 TRIAD = "(triad)"
 
 
@@ -204,10 +209,15 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from sakura_offload.host_optimizer.kernel import load_kernel
+
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
     load_before = load_average()
+    kernel = load_kernel(required=True)
+    assert kernel is not None
+    print(f"CPU: {cpu_description()}; sakura kernel vector width {kernel.vector_width}")
     params, _ = make_tensors(args)
 
     optimizers: dict[str, tuple[Any, str]] = {}
@@ -233,13 +243,18 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth: list[dict[str, float]] = samples.pop(TRIAD)
     best_bw = max(max(b.values()) for b in bandwidth)
 
+    references = {name: samples[name] for name in RIVALS if name in samples}
+    if references:  # per trial, torch's faster configuration
+        references[BEST_TORCH] = [min(t) for t in zip(*references.values(), strict=True)]
     results: dict[str, Any] = {}
     for name, times in samples.items():
         step = summary(times)
         moved = BYTES_PER_PARAM[optimizers[name][1]] * args.params
+        versus = {ref: ratio_summary(times, ref_times) for ref, ref_times in references.items()}
         results[name] = {
             "step_ms": step.scaled(1e3),
-            "vs_fused": ratio_summary(times, samples[REFERENCE]) if REFERENCE in samples else None,
+            "vs_fused": versus.get(REFERENCE),
+            "vs": versus,
             "bandwidth_fraction": moved / step.median / 1e9 / best_bw,
             "bytes_per_param": BYTES_PER_PARAM[optimizers[name][1]],
         }
@@ -247,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         "params": args.params,
         "tensors": args.tensors,
         "threads": threads,
+        "cpu": cpu_description(),
+        "kernel_vector_width": kernel.vector_width,
         "trials": args.trials,
         "steps_per_trial": args.steps,
         "triad_gb_s": {
@@ -264,14 +281,17 @@ def main(argv: list[str] | None = None) -> int:
         f"host AdamW step, {args.params / 1e6:.0f} M parameters, {threads} thread(s), "
         f"{args.trials} trials x {args.steps} steps; triad {best_bw:.1f} GB/s"
     )
+    columns = [(REFERENCE, "x fused"), ("torch-foreach", "x foreach"), (BEST_TORCH, "x best torch")]
+    columns = [(ref, title) for ref, title in columns if ref in references]
     print(
-        f"{'variant':<15}{'step ms, median (min-max)':>28}{'x fused (min-max)':>22}"
-        f"{'B/param':>9}{'of triad':>10}"
+        f"{'variant':<15}{'step ms, median (min-max)':>28}"
+        + "".join(f"{title + ' (min-max)':>24}" for _, title in columns)
+        + f"{'B/param':>9}{'of triad':>10}"
     )
     for name, r in results.items():
-        ratio = r["vs_fused"].format(2) if r["vs_fused"] else "-"
+        ratios = "".join(f"{r['vs'][ref].format(2):>24}" for ref, _ in columns)
         print(
-            f"{name:<15}{r['step_ms'].format(1):>28}{ratio:>22}"
+            f"{name:<15}{r['step_ms'].format(1):>28}{ratios}"
             f"{r['bytes_per_param']:>9}{r['bandwidth_fraction']:>10.0%}"
         )
     for name, why in skipped.items():

@@ -38,8 +38,10 @@
 // vector addition per step, saturating packs for the codes), software prefetch a few KiB
 // ahead on every stream (the hardware prefetcher stops at each 4 KiB page, and with 7
 // streams per core it fell behind), and transparent huge pages for the optimizer's own state
-// (sakura_offload_advise_huge; fewer TLB misses).  What remains in int8 is the square root
-// and the division of every value (the divider unit), about as long as the memory traffic.
+// (sakura_offload_advise_huge; fewer TLB misses).  bf16 is then bound by memory; int8 is a
+// little above its memory time, the codes' arithmetic taking about a tenth of it (tried
+// without gain: the division replaced by a Newton reciprocal, the codes of one block made
+// during the next block's update, longer or shorter prefetch distances).
 
 #include <sys/mman.h>
 

@@ -1,8 +1,12 @@
 """The native AdamW kernels, declared once on :class:`sakura_torch.native.NativeLibrary` (which
 builds, caches, checks and falls back; see ``docs/helpers.md``).
 
-* ``csrc/host_adamw.cpp``: the host update, vectorised and multi-threaded, built with
-  ``torch.utils.cpp_extension`` on first use.
+* ``csrc/host_adamw.cpp``: the host update, multi-threaded, with AVX-512 loops where the
+  CPU has them and portable (auto-vectorised) ones elsewhere, which round identically
+  (built with ``-ffp-contract=off``: :data:`CFLAGS`); built with
+  ``torch.utils.cpp_extension`` on first use.  :attr:`Kernel.batch` updates several
+  tensors in one call; :meth:`Kernel.advise_huge` puts the optimizer's state on
+  transparent huge pages.
 * ``csrc/adamw_cuda.cu``: the same update and moment formats on a CUDA device, compiled
   with nvcc on first use, only where ``torch.cuda.is_available()``.
 
