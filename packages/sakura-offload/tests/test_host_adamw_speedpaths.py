@@ -16,6 +16,7 @@ from _offload_models import batches, loss_of, mlp
 from sakura_offload import OffloadAdamW
 from sakura_offload.host_optimizer import kernel as _kernel
 from sakura_offload.host_optimizer import moments as fmt
+from sakura_offload.host_optimizer import optimizer as optimizer_module
 from sakura_offload.host_optimizer.backends import Hyper, KernelBackend, Update, run_each
 from sakura_offload.host_optimizer.state_layout import new_state
 
@@ -155,23 +156,39 @@ def test_one_batched_call_equals_one_call_per_tensor(
 
 
 @pytest.mark.parametrize("moment_dtype", ["float32", "bf16", "int8"])
-def test_the_batched_step_equals_the_per_tensor_eager_updates(moment_dtype: str) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_batched_step_equals_the_per_tensor_eager_updates(
+    moment_dtype: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # eager=True updates each tensor by itself during backward (one kernel call each);
-    # eager=False gathers them in step() and makes one batched call.
-    models = [mlp(), mlp()]
+    # eager=False gathers them in step() and makes batched calls: bf16 parameters (fp32
+    # masters, gradient copies) with a cap that splits each step into several batches.
+    monkeypatch.setattr(optimizer_module, "BATCH_COPY_BYTES", 2000)
+    models = [mlp(dtype), mlp(dtype)]
     models[1].load_state_dict(models[0].state_dict())
     opts = [
         OffloadAdamW(m.parameters(), lr=1e-2, moment_dtype=moment_dtype, eager=eager)
         for m, eager in zip(models, (True, False), strict=True)
     ]
     assert opts[0].backend.name == "cpp"
-    for batch in batches(5):
+    calls: list[int] = []
+    batch = opts[1].backend.batch
+    monkeypatch.setattr(
+        opts[1].backend,
+        "batch",
+        lambda fmt_, updates: (calls.append(len(updates)), batch(fmt_, updates)),
+    )
+    for data in batches(5):
         for model, opt in zip(models, opts, strict=True):
             opt.zero_grad()
-            loss_of(model, batch).backward()
+            loss_of(model, data).backward()
             opt.step()
     for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
         assert torch.equal(a, b)
+    tensors = len(list(models[1].parameters()))
+    assert sum(calls) == 5 * tensors
+    # bf16: copies of 38400, 1200 + 12000 and 40 bytes, so three calls per step
+    assert len(calls) == (5 if dtype == torch.float32 else 5 * 3)
     assert opts[1].stats()["kernel_seconds"] > 0
 
 

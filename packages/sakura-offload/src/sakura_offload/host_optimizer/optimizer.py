@@ -3,6 +3,10 @@ C++ kernel, pure torch or the CUDA kernel (see :mod:`.backends`).
 
 Design (master copies, where a CUDA parameter's update runs, the backward-pass count):
 ``docs/offload.md``, "Host AdamW: design".
+
+Long file: one torch.optim.Optimizer subclass whose step, backward-time bookkeeping (eager
+updates, accumulation), batched host updates, device paths and state-dict plumbing share
+its state; the parts that stand alone are already in the sibling modules.
 """
 
 from __future__ import annotations
@@ -42,6 +46,11 @@ from sakura_offload.host_optimizer.state_layout import (
 __all__ = ["OffloadAdamW", "resolve_backend"]
 
 _LOG = logging.getLogger("sakura_offload.host_optimizer")
+
+BATCH_COPY_BYTES = 64 << 20
+"""A step's gathered host updates run once the fp32 copies of their gradients (made for
+gradients that are not already fp32 host tensors, e.g. bf16 or on a GPU) reach this many
+bytes: batching must not hold a copy of every gradient at once."""
 
 
 def _pinned(state: dict[str, Any]) -> list[torch.Tensor]:
@@ -366,11 +375,18 @@ class OffloadAdamW(torch.optim.Optimizer):
         # shared by all tensors: small tensors no longer cost a call and a parallel region
         # each); the others (CUDA kernel, host pipeline) are started as they come.
         batch: list[tuple[torch.Tensor, torch.Tensor | None, Update]] = []
+        copies = 0  # bytes of gradient copies the batch holds
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None or p in self._updated:
                     continue
+                held = len(batch)
                 self._update(p, group, scale, batch)
+                if len(batch) > held and batch[-1][2].g.data_ptr() != p.grad.data_ptr():
+                    copies += batch[-1][2].g.numel() * 4
+                    if copies >= BATCH_COPY_BYTES:
+                        self._run_batch(batch)
+                        batch, copies = [], 0
         self._run_batch(batch)
         self._counts.clear()
         self._updated.clear()
