@@ -12,6 +12,7 @@ picks one from the ``backend`` option.
 from __future__ import annotations
 
 import ctypes
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, cast
@@ -39,7 +40,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built per tensor per step, a frozen __init__ costs more
 class Hyper:
     """The scalars of one tensor's update at one step (see ``csrc/host_adamw.cpp``)."""
 
@@ -66,7 +67,7 @@ class Hyper:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built per tensor per step, a frozen __init__ costs more
 class Update:
     """One tensor's update for :meth:`Backend.batch`: flat float32 weights ``p`` and
     gradient ``g``; ``m`` / ``v`` the moments (fp32 or bf16), or for int8 the codes of
@@ -122,6 +123,11 @@ class Backend(Protocol):
     ) -> None: ...
 
 
+_JOB = struct.Struct("@6Pq8fII")  # kernel.Job's layout (native sizes and alignment)
+if _JOB.size != ctypes.sizeof(Job):  # pragma: no cover (a layout mismatch is a bug here)
+    raise ImportError(f"sakura-offload: Job is {ctypes.sizeof(Job)} bytes, its pack {_JOB.size}")
+
+
 class KernelBackend:
     """Calls the C++ kernel (vectorised, OpenMP threads = ``torch.get_num_threads()``)."""
 
@@ -134,13 +140,30 @@ class KernelBackend:
         """One kernel call for all ``updates``: their work items (16384 values each) shared
         by the threads in one parallel region, the same results as one call per tensor."""
         jobs = (Job * len(updates))()
-        for job, u in zip(jobs, updates, strict=True):
-            job.p, job.g, job.m, job.v = (t.data_ptr() for t in (u.p, u.g, u.m, u.v))
-            if u.m_absmax is not None and u.v_absmax is not None:
-                job.m_absmax, job.v_absmax = u.m_absmax.data_ptr(), u.v_absmax.data_ptr()
-            job.n = u.p.numel()
-            job.hyper[:] = u.h.floats()
-            job.key = u.h.key
+        buffer = memoryview(jobs).cast("B")
+        for k, u in enumerate(updates):  # one pack per job (setting Job's fields is slower)
+            h = u.h
+            _JOB.pack_into(
+                buffer,
+                k * _JOB.size,
+                u.p.data_ptr(),
+                u.g.data_ptr(),
+                u.m.data_ptr(),
+                u.v.data_ptr(),
+                0 if u.m_absmax is None else u.m_absmax.data_ptr(),
+                0 if u.v_absmax is None else u.v_absmax.data_ptr(),
+                u.p.numel(),
+                h.decay,
+                h.w1,
+                h.beta2,
+                h.c2,
+                h.eps,
+                h.neg_step,
+                h.bc2_sqrt,
+                h.grad_scale,
+                h.key,
+                0,
+            )
         self.kernel.batch(FORMATS[moment_dtype], jobs, len(updates), torch.get_num_threads())
 
     def zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:

@@ -495,8 +495,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         state = self.state[p]
         if not state:
             self._init_state(p, state)
-        state["step"] += 1
-        step = int(state["step"].item())
+        step_tensor = state["step"]
+        step = int(step_tensor.item()) + 1
+        step_tensor.fill_(step)  # (cheaper than += 1, which wraps the 1 in a tensor)
         beta1, beta2 = group["betas"]
         lr = group["lr"]
         h = Hyper(
