@@ -65,12 +65,18 @@ def _pinned(state: dict[str, Any]) -> list[torch.Tensor]:
     return pinned
 
 
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as one dimension (a view; ``t`` itself when it has one already, which saves a
+    call per tensor per step)."""
+    return t if t.dim() == 1 else t.view(-1)
+
+
 def _update_of(flat: torch.Tensor, g: torch.Tensor, state: dict[str, Any], h: Hyper) -> Update:
     """The flat tensors of one update (weights or master ``flat``, gradient ``g``)."""
     if "exp_avg_codes" in state:
         codes, absmax, s_codes, s_absmax = (state[k] for k in _INT8_KEYS)
         return Update(flat, g, codes, s_codes, h, absmax, s_absmax)
-    return Update(flat, g, state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1), h)
+    return Update(flat, g, _flat(state["exp_avg"]), _flat(state["exp_avg_sq"]), h)
 
 
 def _grad_hook(ref: weakref.ReferenceType[OffloadAdamW]) -> Callable[[torch.Tensor], None]:
@@ -527,13 +533,16 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._devices.add(p.device)
             g = grad.detach().to(torch.float32).contiguous().view(-1)  # stays on the device
             backend = self.backend
+        elif grad.dtype == torch.float32 and grad.device.type == "cpu" and grad.is_contiguous():
+            g = _flat(grad)  # (step() runs under no_grad: no detach needed)
+            backend = self._host_backend
         else:
             g = grad.detach().to("cpu", torch.float32).contiguous().view(-1)
             backend = self._host_backend
         master = state.get("master")
         work = master if master is not None else p.detach()
         if batch is not None and not on_device:
-            batch.append((p, master, _update_of(work.view(-1), g, state, h)))
+            batch.append((p, master, _update_of(_flat(work), g, state, h)))
             return
         self._run_update(backend, work.view(-1), g, state, h)
         if master is not None:
