@@ -155,6 +155,30 @@ def test_one_batched_call_equals_one_call_per_tensor(
     assert not torch.equal(batched[-1]["p"], _state(sizes[-1], moment_dtype, 4)["p"])
 
 
+@pytest.mark.parametrize("moment_dtype", FORMATS)
+def test_batched_results_do_not_depend_on_the_thread_count(
+    vector: _kernel.Kernel, moment_dtype: str
+) -> None:
+    sizes = (5_000, 70_000, 33_000)  # work items split unevenly between two threads
+    results = []
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            states = [_state(n, moment_dtype, i) for i, n in enumerate(sizes)]
+            grads = [_grads(n, 20 + i, extreme=True) for i, n in enumerate(sizes)]
+            updates = [
+                _update(s, g, _hyper(1, i, 0.8))
+                for i, (s, g) in enumerate(zip(states, grads, strict=True))
+            ]
+            KernelBackend(vector).batch(moment_dtype, updates)
+            results.append(states)
+    finally:
+        torch.set_num_threads(previous)
+    for a, b in zip(*results, strict=True):
+        _assert_same(a, b)
+
+
 @pytest.mark.parametrize("moment_dtype", ["float32", "bf16", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_batched_step_equals_the_per_tensor_eager_updates(
