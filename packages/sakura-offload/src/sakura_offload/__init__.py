@@ -12,8 +12,9 @@ One sub-package per feature (the guide: ``docs/offload.md``):
   fit a budget; ``MemoryPlannerService`` (spec ``memory_plan``);
 * :mod:`sakura_offload.fit`: ``wrap`` / ``unwrap`` / ``memory_report`` and the ``fit``
   service (spec ``fit``): decide from the budgets where the optimizer, the frozen weights
-  and the activations live, and whether a plugin's fit choice (a quantized base) is needed;
-* :mod:`sakura_offload.loss`: the chunked causal-LM loss (it moves to sakura-kernels).
+  and the activations live, and whether a plugin's fit choice (a quantized base) is needed.
+
+The chunked causal-LM loss lives in sakura-kernels (``sakura_kernels.chunked_causal_lm_loss``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ if TYPE_CHECKING:
     )
     from sakura_offload.host_optimizer.optimizer import OffloadAdamW
     from sakura_offload.host_optimizer.service import OffloadAdamWService
-    from sakura_offload.loss import causal_lm_loss, chunked_causal_lm_loss
     from sakura_offload.paging.activations import ActivationPaging, PagingStats
     from sakura_offload.paging.weights import WeightPaging, WeightPagingStats, frozen_block_bytes
     from sakura_offload.planner import MemoryBudgetError, MemoryPlan, MemoryPlanner, plan_memory
@@ -51,8 +51,6 @@ _EXPORTS = {
     "wrap": "sakura_offload.fit.wrap",
     "OffloadAdamW": "sakura_offload.host_optimizer.optimizer",
     "OffloadAdamWService": "sakura_offload.host_optimizer.service",
-    "causal_lm_loss": "sakura_offload.loss",
-    "chunked_causal_lm_loss": "sakura_offload.loss",
     "ActivationPaging": "sakura_offload.paging.activations",
     "PagingStats": "sakura_offload.paging.activations",
     "WeightPaging": "sakura_offload.paging.weights",
@@ -80,8 +78,6 @@ __all__ = [
     "PagingStats",
     "WeightPaging",
     "WeightPagingStats",
-    "causal_lm_loss",
-    "chunked_causal_lm_loss",
     "frozen_block_bytes",
     "memory_report",
     "plan_memory",

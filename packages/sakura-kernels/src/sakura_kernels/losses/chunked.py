@@ -1,8 +1,5 @@
 """Chunked causal-LM loss: cross-entropy over the vocabulary without the full logits.
 
-Not offload: this module moves to sakura-kernels (issue 22, losses computed from hidden
-states) when that package is created; it stays here until then.
-
 A causal LM's head turns ``tokens x hidden`` into ``tokens x vocab`` logits, and for a long
 sequence and a large vocabulary that one tensor (kept for backward, in fp32) is often the
 largest of the step.  :func:`chunked_causal_lm_loss` computes the logits of ``chunk_size``
@@ -16,8 +13,10 @@ Semantics are those of transformers' ``ForCausalLMLoss``:
   ``labels[..., t + 1]`` and the last position against nothing (as if ``ignore_index``).
   Pass ``shift_labels=`` instead when the labels are already aligned with the positions
   (packed sequences, sequence parallelism);
-* logits are computed in the hidden states' dtype (or under the ambient autocast), then
-  upcast to fp32 before the softmax;
+* the head's matmul runs in bf16 (or fp16) when the head's weight is bf16 (fp16) or an
+  autocast to that dtype is on, with fp32 accumulation; otherwise in the promoted dtype of
+  the hidden states and the weight. Its logits are upcast to fp32 before the log-sum-exp
+  and the softmax, so the loss and every reduction are fp32;
 * ``reduction="mean"`` divides the summed loss by the number of scored tokens, or by
   ``num_items_in_batch`` when given (gradient accumulation: the Trainer passes the number
   of scored tokens of all the micro-batches of one optimizer step).
@@ -38,10 +37,40 @@ from torch.autograd.function import once_differentiable
 
 from sakura.options import check_choice, check_int, option_error
 
-__all__ = ["REDUCTIONS", "causal_lm_loss", "chunked_causal_lm_loss", "shift_causal_labels"]
+__all__ = [
+    "REDUCTIONS",
+    "causal_lm_loss",
+    "chunked_causal_lm_loss",
+    "matmul_dtype",
+    "shift_causal_labels",
+]
 
 _OWNER = "chunked_causal_lm_loss"
 REDUCTIONS = ("mean", "sum", "none")
+
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the head's matmul runs in: the autocast dtype when an autocast is on for
+    the hidden states' device, else the head weight's dtype when it is bf16 / fp16 (a bf16
+    model, or fp32 hidden states from a norm kept in fp32), else the promoted dtype."""
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    if weight.dtype in _HALF:
+        return weight.dtype
+    return torch.promote_types(hidden.dtype, weight.dtype)
+
+
+def _cast(tensor: torch.Tensor | None, dtype: torch.dtype) -> Any:
+    return tensor if tensor is None or tensor.dtype == dtype else tensor.to(dtype)
+
+
+def _no_autocast(device_type: str) -> torch.autocast:
+    """The matmul's dtype is chosen explicitly (:func:`matmul_dtype`); autocast stays out."""
+    return torch.autocast(device_type, enabled=False)
 
 
 def shift_causal_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -66,13 +95,18 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         ignore_index: int,
     ) -> torch.Tensor:
         n = hidden.shape[0]
+        compute = matmul_dtype(hidden, weight)
+        weight_c, bias_c = _cast(weight, compute), _cast(bias, compute)
         valid = targets != ignore_index
         safe = torch.where(valid, targets, torch.zeros_like(targets)).unsqueeze(1)
         losses = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         for start in range(0, n, chunk_size):
             stop = min(start + chunk_size, n)
-            logits = F.linear(hidden[start:stop], weight, bias).float()
+            with _no_autocast(hidden.device.type):
+                raw = F.linear(_cast(hidden[start:stop], compute), weight_c, bias_c)
+            logits = raw.float()
+            del raw
             chunk_lse = torch.logsumexp(logits, dim=-1)
             lse[start:stop] = chunk_lse
             # -log_softmax(x)[t] = logsumexp(x) - x[t]; 0 for ignored targets (as F.cross_entropy).
@@ -81,12 +115,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 valid[start:stop], chunk_lse - picked, torch.zeros_like(picked)
             )
             del logits
-        device_type = hidden.device.type
-        ctx.autocast = (
-            device_type,
-            torch.is_autocast_enabled(device_type),
-            torch.get_autocast_dtype(device_type),
-        )
+        ctx.compute = compute
         ctx.chunk_size = chunk_size
         ctx.save_for_backward(hidden, weight, bias, safe, valid, lse)
         return losses
@@ -96,7 +125,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     def backward(ctx: Any, grad_losses: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, bias, safe, valid, lse = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        device_type, enabled, autocast_dtype = ctx.autocast
+        compute = ctx.compute
         n = hidden.shape[0]
         # d loss_i / d logits_i = softmax(logits_i) - onehot(t_i), times the incoming gradient
         # of token i (0 for ignored tokens).  As in autograd through F.linear(...).float(),
@@ -108,13 +137,12 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         grad_b = (
             torch.zeros_like(bias, dtype=torch.float32) if need_b and bias is not None else None
         )
-        weight_c: torch.Tensor | None = None
+        weight_c, bias_c = _cast(weight, compute), _cast(bias, compute)
         for start in range(0, n, ctx.chunk_size):
             stop = min(start + ctx.chunk_size, n)
-            h = hidden[start:stop]
-            with torch.autocast(device_type, dtype=autocast_dtype, enabled=enabled):
-                raw = F.linear(h, weight, bias)
-            compute = raw.dtype
+            h_c = _cast(hidden[start:stop], compute)
+            with _no_autocast(hidden.device.type):
+                raw = F.linear(h_c, weight_c, bias_c)
             probs = raw.float()
             del raw
             probs.sub_(lse[start:stop].unsqueeze(1)).exp_()
@@ -126,10 +154,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             probs.mul_(row_scale[start:stop].unsqueeze(1))
             g = probs.to(compute)
             del probs
-            h_c = h.to(compute)
             if grad_h is not None:
-                if weight_c is None:
-                    weight_c = weight.to(compute)
                 grad_h[start:stop] = (g @ weight_c).to(hidden.dtype)
             if grad_w is not None:
                 if compute == torch.float32:

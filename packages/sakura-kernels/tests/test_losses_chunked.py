@@ -10,7 +10,12 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sakura.options import OptionError
-from sakura_offload.loss import causal_lm_loss, chunked_causal_lm_loss, shift_causal_labels
+from sakura_kernels.losses.chunked import (
+    causal_lm_loss,
+    chunked_causal_lm_loss,
+    matmul_dtype,
+    shift_causal_labels,
+)
 
 TOL = 1e-6
 BATCH, SEQ, HIDDEN, VOCAB = 2, 23, 16, 61
@@ -125,6 +130,27 @@ def test_bf16_autocast_rounds_like_the_full_loss() -> None:
     for a, r, e in zip(got_grads[1:], ref_grads[1:], exact[1:], strict=True):
         assert (a - e).norm() <= 1.1 * (r - e).norm()
         assert (a - r).abs().max() <= 2e-2 * r.abs().max()
+
+
+def test_bf16_head_runs_the_matmul_in_bf16_with_an_fp32_log_sum_exp() -> None:
+    # fp32 hidden states (a norm kept in fp32) into a bf16 head, no autocast: the matmul runs
+    # in bf16, the log-sum-exp and the loss in fp32; as the full loss on bf16-cast inputs.
+    hidden, weight, _, labels = inputs()
+    weight = weight.bfloat16()
+    assert matmul_dtype(hidden, weight) == torch.bfloat16
+    assert matmul_dtype(hidden, weight.float()) == torch.float32
+    h1, w1 = leaves(hidden, weight)
+    h2, w2 = leaves(hidden, weight)
+    ref = full_loss(h1.bfloat16(), w1, None, shift_causal_labels(labels))
+    got = chunked_causal_lm_loss(h2, w2, labels, chunk_size=5)
+    assert got.dtype == torch.float32
+    assert abs(got.item() - ref.item()) <= TOL
+    got_grads, ref_grads = grads(got, h2, w2), grads(ref, h1, w1)
+    assert got_grads[0].dtype == torch.float32 and got_grads[1].dtype == torch.bfloat16
+    assert torch.allclose(got_grads[0], ref_grads[0], rtol=0, atol=1e-5)
+    assert (got_grads[1].float() - ref_grads[1].float()).abs().max() <= 2e-2 * ref_grads[
+        1
+    ].float().abs().max()
 
 
 def test_gradient_accumulation_with_num_items_in_batch_equals_the_whole_batch() -> None:
