@@ -1,0 +1,184 @@
+"""``ChunkedLoss``: the ``chunked_loss`` service, a causal LM's loss without its logits.
+
+``wrap_model`` finds every Hugging Face ``*ForCausalLM`` in the model it is given (the model
+itself, the one inside a PEFT wrapper, the one a LightningModule holds) and gives it a
+``forward`` that, when ``labels`` are passed, runs the decoder and computes the loss from
+the last hidden states ``chunk`` tokens at a time
+(:func:`~sakura_kernels.chunked_causal_lm_loss`): the ``tokens x vocab`` logits are never
+built and the output's ``.logits`` is None.  ``num_items_in_batch`` (what
+``transformers.Trainer`` passes under gradient accumulation), ``shift_labels`` and ``-100``
+mean what they mean to the model's own loss.  Without labels the model's own forward runs.
+
+The change is in place (the same module objects come back), so it works where the loop
+calls the model: the HF Trainer (``SakuraTrainer`` or ``HFAdapter``), Lightning (the
+LightningModule calls its model) and a raw loop after ``rt.prepare``.  It applies in
+training mode; in eval mode the model's own forward runs (evaluation metrics read the
+logits), unless ``in_eval=True``.  Uninstalling the service (its ``teardown``) or
+:meth:`ChunkedLoss.unwrap` restores the original ``forward``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from sakura.options import check_bool, check_int, option_error
+from sakura.service import Service
+from sakura_kernels.losses.chunked import _causal_lm_parts, chunked_causal_lm_loss
+
+__all__ = ["ChunkedLoss", "find_causal_lms"]
+
+_OWNER = "ChunkedLoss"
+_LOSS_KWARGS = ("num_items_in_batch", "shift_labels", "ignore_index")
+_HEAD_ONLY_KWARGS = ("labels", "logits_to_keep")
+
+
+def _is_causal_lm(module: nn.Module) -> bool:
+    if not type(module).__name__.endswith("ForCausalLM"):
+        return False
+    if not type(module).__module__.startswith("transformers"):
+        return False
+    return isinstance(getattr(module, "base_model", None), nn.Module) and callable(
+        getattr(module, "get_output_embeddings", None)
+    )
+
+
+def find_causal_lms(model: nn.Module) -> list[nn.Module]:
+    """The outermost transformers ``*ForCausalLM`` modules inside ``model`` (itself
+    included; a PEFT wrapper's inner model is found as a submodule)."""
+    found: list[nn.Module] = []
+    for module in model.modules():
+        if _is_causal_lm(module) and not any(
+            module is not outer and any(m is module for m in outer.modules()) for outer in found
+        ):
+            found.append(module)
+    return found
+
+
+class ChunkedLoss(Service):
+    """The ``chunked_loss`` service (spec ``chunked_loss``, ``chunked_loss:chunk=1024``,
+    ``chunked_loss:chunk=512,in_eval=true``).
+
+    Args:
+        chunk: tokens per chunk of the head's matmul (the logits of this many tokens exist
+            at a time); an int >= 1.
+        in_eval: also compute the loss in chunks in eval mode (``.logits`` is then None
+            there too); default False, so evaluation metrics keep their logits.
+    """
+
+    name = "chunked_loss"
+    priority = 20  # after quantization (5), before compilation and checkpointing wrappers
+
+    def __init__(self, chunk: int = 1024, *, in_eval: bool = False) -> None:
+        self.chunk: int = check_int("chunk", chunk, minimum=1, owner=_OWNER)
+        self.in_eval: bool = check_bool("in_eval", in_eval, owner=_OWNER)
+        self._patched: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+    def __repr__(self) -> str:
+        return f"ChunkedLoss(chunk={self.chunk}, in_eval={self.in_eval})"
+
+    def wrap_model(self, model: Any) -> Any:
+        if not isinstance(model, nn.Module):
+            raise option_error("model", type(model).__name__, "a torch.nn.Module", owner=_OWNER)
+        targets = find_causal_lms(model)
+        if not targets:
+            raise option_error(
+                "model",
+                type(model).__name__,
+                "a module holding a transformers *ForCausalLM (the model, a PEFT model "
+                "wrapping one, or a LightningModule whose submodule it is)",
+                owner=_OWNER,
+            )
+        for target in targets:
+            if target in self._patched:
+                continue
+            _causal_lm_parts(target)  # refuses an adapted head or logit transforms, now
+            original = target.forward
+            target.forward = self._chunked_forward(target, original)
+            self._patched.add(target)
+        return model
+
+    def unwrap(self, model: nn.Module) -> None:
+        """Give every ``*ForCausalLM`` in ``model`` its own ``forward`` back."""
+        for target in find_causal_lms(model):
+            if target in self._patched:
+                del target.forward
+                self._patched.discard(target)
+
+    def teardown(self) -> None:
+        for target in list(self._patched):
+            del target.forward
+        self._patched = weakref.WeakSet()
+
+    def _chunked_forward(self, target: nn.Module, original: Callable[..., Any]) -> Any:
+        signature = inspect.signature(original)
+        chunk, in_eval = self.chunk, self.in_eval
+        ref = weakref.ref(target)
+
+        @functools.wraps(original)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            model = ref()
+            bound = signature.bind(*args, **kwargs)
+            arguments = dict(bound.arguments)
+            extra = arguments.pop(
+                next(
+                    (
+                        p.name
+                        for p in signature.parameters.values()
+                        if p.kind is inspect.Parameter.VAR_KEYWORD
+                    ),
+                    "",
+                ),
+                {},
+            )
+            arguments.update(extra)
+            labels = arguments.get("labels")
+            shift_labels = arguments.get("shift_labels")
+            if (
+                model is None
+                or (labels is None and shift_labels is None)
+                or not (model.training or in_eval)
+            ):
+                return original(*args, **kwargs)
+            return _loss_forward(model, arguments, chunk)
+
+        return forward
+
+
+def _loss_forward(model: nn.Module, arguments: dict[str, Any], chunk: int) -> Any:
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    decoder, head = _causal_lm_parts(model)
+    labels = arguments.pop("labels", None)
+    loss_kwargs = {k: arguments.pop(k) for k in _LOSS_KWARGS if k in arguments}
+    if loss_kwargs.get("shift_labels") is not None:
+        labels = None  # as transformers' loss: aligned targets win over labels
+    for name in _HEAD_ONLY_KWARGS:
+        arguments.pop(name, None)
+    return_dict = arguments.pop("return_dict", None)
+    outputs = decoder(**arguments)
+    hidden = outputs[0] if isinstance(outputs, tuple) else outputs.last_hidden_state
+    loss = chunked_causal_lm_loss(
+        hidden,
+        head.weight,
+        labels,
+        chunk_size=chunk,
+        bias=head.bias,
+        num_items_in_batch=loss_kwargs.get("num_items_in_batch"),
+        shift_labels=loss_kwargs.get("shift_labels"),
+        ignore_index=loss_kwargs.get("ignore_index", -100),
+    )
+    fields = {f.name for f in dataclasses.fields(CausalLMOutputWithPast)}
+    carried = {}
+    if not isinstance(outputs, tuple):
+        carried = {k: v for k, v in outputs.items() if k in fields and k != "last_hidden_state"}
+    result = CausalLMOutputWithPast(loss=loss, logits=None, **carried)
+    if return_dict is False:
+        return result.to_tuple()
+    return result
