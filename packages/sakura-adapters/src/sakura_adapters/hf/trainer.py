@@ -14,13 +14,17 @@ from torch import nn
 from transformers import Trainer
 from transformers.trainer_utils import get_last_checkpoint
 
-from sakura.options import check_bool
+from sakura.errors import UnknownNameError
+from sakura.options import check_bool, check_int, option_error
 from sakura.runtime import SakuraRuntime
 from sakura_adapters.hf.callback import HFAdapter
 from sakura_adapters.hf.checks import check_runtime, check_single_compiler, is_compiled
 from sakura_adapters.hf.optimizer import _RuntimeStepOptimizer, is_wrapper, service_optimizer
 
 __all__ = ["SakuraTrainer"]
+
+CHUNKED_LOSS_SERVICE = "chunked_loss"
+"""The service ``chunked_loss=True`` installs, by name (it lives in sakura-kernels)."""
 
 _TRAINER_INIT = inspect.signature(Trainer.__init__)
 
@@ -59,6 +63,84 @@ def _adapter_in(
     return adapters[0]
 
 
+def _check_packing(value: Any) -> bool | int:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value >= 1:
+        return value
+    raise option_error(
+        "packing",
+        value,
+        "False, True (rows as long as the batch's longest example) or a row length in "
+        "tokens, an int >= 1",
+        owner="SakuraTrainer",
+    )
+
+
+def _install_chunked_loss(rt: SakuraRuntime, chunk: int) -> None:
+    """Install the ``chunked_loss`` service by name (sakura-adapters does not import
+    sakura-kernels, which provides it)."""
+    if CHUNKED_LOSS_SERVICE in rt:
+        raise ValueError(
+            f"SakuraTrainer(chunked_loss=True): the runtime already has a "
+            f"{CHUNKED_LOSS_SERVICE!r} service; install it or pass chunked_loss=True, not both"
+        )
+    try:
+        rt.install(f"{CHUNKED_LOSS_SERVICE}:chunk={chunk}")
+    except UnknownNameError as exc:
+        raise ImportError(
+            f"SakuraTrainer(chunked_loss=True) needs the {CHUNKED_LOSS_SERVICE!r} service, "
+            f"which sakura-kernels provides: pip install sakura-kernels ({exc})"
+        ) from exc
+
+
+def _packing_collator(packing: bool | int, collator: Any, arguments: dict[str, Any]) -> Any:
+    """The collator ``packing=`` stands for (see :mod:`sakura_adapters.packing`)."""
+    from sakura_adapters.packing import PackedCollator
+
+    if collator is not None:
+        raise ValueError(
+            "SakuraTrainer: packing= builds the data_collator (a PackedCollator); pass "
+            "packing=False with your own data_collator, or drop data_collator"
+        )
+    tokenizer = arguments.get("processing_class")
+    pad = getattr(tokenizer, "pad_token_id", None)
+    pad_token_id = pad if isinstance(pad, int) and not isinstance(pad, bool) else 0
+    if packing is True:
+        return _LongestRowCollator(pad_token_id)
+    return PackedCollator(int(packing), pad_token_id=pad_token_id, pad_to="longest")
+
+
+class _LongestRowCollator:
+    """``packing=True``: each batch's examples packed into rows as long as its longest
+    example (best fit decreasing; no document is split), positions restarting per
+    document, ``use_cache=False``."""
+
+    def __init__(self, pad_token_id: int) -> None:
+        self.pad_token_id = pad_token_id
+
+    def __repr__(self) -> str:
+        return f"SakuraTrainer packing=True (pad_token_id={self.pad_token_id})"
+
+    def __call__(self, features: list[Any]) -> dict[str, Any]:
+        from sakura_adapters.packing import pack_sequences
+
+        longest = max(
+            (len(f["input_ids"] if hasattr(f, "keys") else f) for f in features), default=1
+        )
+        batch: dict[str, Any] = dict(
+            pack_sequences(
+                features,
+                max(longest, 1),
+                pad_token_id=self.pad_token_id,
+                overflow="error",
+                pad_to="longest",
+            )
+        )
+        batch["use_cache"] = False
+        return batch
+
+
 class SakuraTrainer(Trainer):
     """A drop-in :class:`transformers.Trainer` that routes the step through a sakura runtime.
 
@@ -88,6 +170,20 @@ class SakuraTrainer(Trainer):
     ``strict_resume`` (``None``: the HFAdapter's setting, False for the one SakuraTrainer
     adds): see :class:`HFAdapter`; a bool given here applies to the adapter.
 
+    Loss and batch options (those of the reference's ``TrainStreamTrainer``):
+
+    * ``chunked_loss`` (default False): install the ``chunked_loss`` service (from
+      sakura-kernels, by name) in the runtime, so a causal LM's loss is computed from its
+      hidden states ``loss_chunk_size`` tokens at a time and its logits never exist
+      (``outputs.logits`` is None in training); an ImportError naming
+      ``pip install sakura-kernels`` when that package is missing.
+    * ``loss_chunk_size`` (default 1024): tokens per chunk, an int >= 1.
+    * ``packing`` (default False): each batch's examples packed into rows with no padding
+      and position ids restarting per example (:mod:`sakura_adapters.packing`): ``True``
+      makes rows as long as the batch's longest example, an int is the row length (longer
+      examples are split). It builds the ``data_collator`` (so it cannot be combined with
+      one); examples are mappings with ``input_ids`` and optionally ``labels``.
+
     Resume: ``train(resume_from_checkpoint=...)`` tells the adapter the folder (``True``
     resolves to the last checkpoint in ``output_dir`` as the Trainer does); the services'
     state is loaded from it when training starts, after the Trainer restored the model,
@@ -99,6 +195,9 @@ class SakuraTrainer(Trainer):
         *args: Any,
         runtime: SakuraRuntime | None = None,
         strict_resume: bool | None = None,
+        chunked_loss: bool = False,
+        loss_chunk_size: int = 1024,
+        packing: bool | int = False,
         **kwargs: Any,
     ) -> None:
         try:
@@ -109,11 +208,22 @@ class SakuraTrainer(Trainer):
             ) from None
         if strict_resume is not None:
             check_bool("strict_resume", strict_resume, owner="SakuraTrainer")
+        self.chunked_loss = check_bool("chunked_loss", chunked_loss, owner="SakuraTrainer")
+        self.loss_chunk_size: int = check_int(
+            "loss_chunk_size", loss_chunk_size, minimum=1, owner="SakuraTrainer"
+        )
+        self.packing = _check_packing(packing)
         callbacks = list(bound.arguments.get("callbacks") or [])
         adapter = _adapter_in(callbacks, runtime, strict_resume)
         if strict_resume is not None:
             adapter.strict_resume = strict_resume
         bound.arguments["callbacks"] = callbacks
+        if self.chunked_loss:
+            _install_chunked_loss(adapter.rt, self.loss_chunk_size)
+        if self.packing is not False:
+            bound.arguments["data_collator"] = _packing_collator(
+                self.packing, bound.arguments.get("data_collator"), bound.arguments
+            )
         self.runtime: SakuraRuntime = adapter.rt
         self.sakura_adapter: HFAdapter = adapter
         self._sakura_ready = False
