@@ -1,0 +1,193 @@
+"""``fuse_lora`` / ``unfuse_lora``: patch a stock PEFT model so that each eligible LoRA linear
+layer runs base and adapter as one autograd function (:mod:`sakura_kernels.lora.function`).
+
+A layer is eligible when it is PEFT's ``lora.Linear`` with exactly one active adapter that is
+plain LoRA: dropout off (``lora_dropout=0``), no DoRA or other PEFT variant, no adapter bias
+(``lora_bias=False``), not merged, no ``fan_in_fan_out``, and a base that
+:mod:`sakura_kernels.lora.base` accepts (plain ``nn.Linear`` or a quantized layer offering
+``dequantize(dtype)``), frozen.  Anything else is left to PEFT and reported with the reason.
+
+Patching sets an instance ``forward`` on the layer (the class is untouched, so ``isinstance``,
+``repr``, the state dict and PEFT's own methods see the stock layer); ``unfuse_lora`` removes
+it.  At every call the patched forward checks that the layer is still as it was fused -- the
+adapters enabled (PEFT's ``disable_adapter()`` context, ``disable_adapter_layers()``), not
+merged (``merge_adapter()``), the same single active adapter (``set_adapter``), no per-call
+``adapter_names`` or other arguments -- and otherwise runs PEFT's own forward, so every PEFT
+feature still works, unfused, for that call.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from sakura.options import check_bool, option_error
+from sakura_kernels.lora.base import base_dtypes, base_problem, weight_source_for
+from sakura_kernels.lora.function import fused_lora_linear
+
+__all__ = ["FuseReport", "fuse_lora", "is_fused", "unfuse_lora"]
+
+# The instance attribute that marks a fused layer and holds what it was fused with.
+_STATE = "_sakura_fused_lora"
+
+
+@dataclass
+class FuseReport:
+    """What :func:`fuse_lora` did: ``fused`` (module names, in model order) and ``skipped``
+    (``(name, why)`` of each LoRA layer left to PEFT)."""
+
+    fused: list[str] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"fused LoRA: {len(self.fused)} layers fused, {len(self.skipped)} skipped"]
+        lines += [f"  skipped {name}: {why}" for name, why in self.skipped]
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True, slots=True)
+class _Fused:
+    adapter: str
+    keep_expanded: bool
+
+
+def _lora_linear_class() -> type[nn.Module] | None:
+    try:
+        from peft.tuners.lora import Linear
+    except ImportError:  # no PEFT installed: no PEFT layer can be in the model
+        return None
+    cls: type[nn.Module] = Linear
+    return cls
+
+
+def _dropout_off(dropout: nn.Module) -> bool:
+    if isinstance(dropout, nn.Identity):
+        return True
+    return isinstance(dropout, nn.Dropout) and dropout.p == 0
+
+
+def _layer_problem(layer: Any) -> str | None:
+    """Why this ``lora.Linear`` cannot be fused, or None."""
+    active = list(layer.active_adapters)
+    if len(active) != 1:
+        return f"{len(active)} active adapters {active} (fused LoRA takes exactly one)"
+    adapter = active[0]
+    if adapter not in layer.lora_A:
+        return f"active adapter {adapter!r} has no LoRA weights in this layer"
+    if getattr(layer, "merged", False):
+        return "adapter merged into the base weight"
+    if getattr(layer, "fan_in_fan_out", False):
+        return "fan_in_fan_out=True (Conv1D-style weight)"
+    if layer.use_dora.get(adapter, False):
+        return "DoRA adapter (use_dora=True)"
+    if adapter in getattr(layer, "lora_variant", {}):
+        return f"PEFT LoRA variant {type(layer.lora_variant[adapter]).__name__}"
+    dropout = layer.lora_dropout[adapter]
+    if not _dropout_off(dropout):
+        p = getattr(dropout, "p", None)
+        return f"lora_dropout={p} (fused LoRA needs dropout off)"
+    lora_a, lora_b = layer.lora_A[adapter], layer.lora_B[adapter]
+    if type(lora_a) is not nn.Linear or type(lora_b) is not nn.Linear:
+        return "adapter matrices are not plain nn.Linear"
+    if getattr(lora_a, "bias", None) is not None or getattr(lora_b, "bias", None) is not None:
+        return "adapter bias (lora_bias=True)"
+    scaling = layer.scaling.get(adapter)
+    if not isinstance(scaling, (int, float)):
+        return f"scaling {scaling!r} is not a number"
+    return base_problem(layer.base_layer)
+
+
+def _ready(layer: Any, state: _Fused, x: torch.Tensor, args: tuple[Any, ...], kwargs: Any) -> bool:
+    """Whether this call can take the fused path (else PEFT's forward runs)."""
+    return (
+        not args
+        and not kwargs
+        and isinstance(x, torch.Tensor)
+        and not layer.disable_adapters
+        and not layer.merged
+        and list(layer.active_adapters) == [state.adapter]
+        and state.adapter in layer.lora_A
+    )
+
+
+def _fused_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    state: _Fused = self.__dict__[_STATE]
+    stock = type(self).forward
+    if not _ready(self, state, x, args, kwargs):
+        result: torch.Tensor = stock(self, x, *args, **kwargs)
+        return result
+    base = self.base_layer
+    dtypes = base_dtypes(base, x)
+    if dtypes is None:
+        result = stock(self, x)
+        return result
+    lora_a = self.lora_A[state.adapter].weight
+    lora_b = self.lora_B[state.adapter].weight
+    return fused_lora_linear(
+        x,
+        lora_a,
+        lora_b,
+        base.bias,
+        weight_source_for(base, state.keep_expanded),
+        float(self.scaling[state.adapter]),
+        *dtypes,
+    )
+
+
+def is_fused(layer: nn.Module) -> bool:
+    """Whether ``layer`` is a LoRA layer patched by :func:`fuse_lora`."""
+    return _STATE in layer.__dict__
+
+
+def fuse_lora(model: nn.Module, *, keep_expanded: bool = False) -> FuseReport:
+    """Patch, in place, every eligible PEFT ``lora.Linear`` of ``model`` (a stock
+    ``get_peft_model`` result, or any module holding such layers) to run base and adapter as
+    one autograd function; returns the :class:`FuseReport`.  Calling it again fuses what is
+    newly eligible and leaves fused layers as they are.
+
+    ``keep_expanded``: for quantized bases, keep the forward's expanded weight until backward
+    instead of expanding it again there (one full-precision weight per layer held between
+    forward and backward: what quantizing saved, given back for a faster backward).  Default
+    False.  Plain ``nn.Linear`` bases are not affected.
+    """
+    if not isinstance(model, nn.Module):
+        raise option_error("model", model, "a torch.nn.Module", owner="fuse_lora")
+    keep = check_bool("keep_expanded", keep_expanded, owner="fuse_lora")
+    report = FuseReport()
+    lora_linear = _lora_linear_class()
+    if lora_linear is None:
+        return report
+    for name, module in model.named_modules():
+        if not isinstance(module, lora_linear):
+            continue
+        layer: Any = module
+        if is_fused(module):
+            report.fused.append(name)
+            continue
+        why = _layer_problem(module)
+        if why is not None:
+            report.skipped.append((name, why))
+            continue
+        (adapter,) = layer.active_adapters
+        layer.__dict__[_STATE] = _Fused(adapter, keep)
+        layer.forward = types.MethodType(_fused_forward, layer)
+        report.fused.append(name)
+    return report
+
+
+def unfuse_lora(model: nn.Module) -> list[str]:
+    """Undo :func:`fuse_lora` on ``model`` (the layers run PEFT's own forward again, nothing
+    else changed); returns the names of the layers restored."""
+    if not isinstance(model, nn.Module):
+        raise option_error("model", model, "a torch.nn.Module", owner="unfuse_lora")
+    restored = []
+    for name, module in model.named_modules():
+        if is_fused(module):
+            del module.__dict__[_STATE]
+            module.__dict__.pop("forward", None)
+            restored.append(name)
+    return restored
