@@ -140,3 +140,20 @@ def test_reference_options_are_validated() -> None:
     twice = examples(1) * 2
     with pytest.raises(OptionError, match="id='repeated ids'"):
         reference_logprobs(model, twice)
+
+
+def test_chosen_and_rejected_of_different_lengths_run_apart() -> None:
+    model = base_model()
+    data = examples(2)
+    batch = {
+        "chosen_input_ids": torch.stack([e["chosen_input_ids"] for e in data]),  # type: ignore[misc]
+        "rejected_input_ids": torch.stack([e["rejected_input_ids"][:-3] for e in data]),  # type: ignore[index,misc]
+    }
+    with torch.no_grad():
+        chosen, rejected = preference_logprobs(model, batch, chunk_size=5)
+        ids_r = batch["rejected_input_ids"]
+        expected = full_logprobs(model, ids_r, ids_r)
+    assert rejected.shape == (2,) and torch.allclose(rejected, expected, rtol=0, atol=1e-4)
+    ids_c = batch["chosen_input_ids"]
+    with torch.no_grad():
+        assert torch.allclose(chosen, full_logprobs(model, ids_c, ids_c), rtol=0, atol=1e-4)

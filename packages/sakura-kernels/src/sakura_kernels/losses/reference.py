@@ -158,19 +158,32 @@ def preference_logprobs(
     """``(chosen, rejected)`` sequence log-probabilities of a preference batch under the
     model as it is (the policy in a DPO step; see the module docstring for the keys)."""
     device = next(model.parameters()).device
-    out = []
-    for side in SIDES:
-        part = _side(batch, side, device)
-        out.append(
-            model_sequence_logprobs(
-                model,
-                part["input_ids"],
-                part["labels"],
-                attention_mask=part.get("attention_mask"),
-                chunk_size=chunk_size,
-                average=average,
-            )
+    chosen, rejected = (_side(batch, side, device) for side in SIDES)
+    if chosen.keys() == rejected.keys() and all(
+        chosen[k].shape == rejected[k].shape for k in chosen
+    ):
+        # One forward over both halves (as TRL does): [chosen; rejected].
+        both = {k: torch.cat([chosen[k], rejected[k]]) for k in chosen}
+        logps = model_sequence_logprobs(
+            model,
+            both["input_ids"],
+            both["labels"],
+            attention_mask=both.get("attention_mask"),
+            chunk_size=chunk_size,
+            average=average,
         )
+        return logps[: chosen["input_ids"].shape[0]], logps[chosen["input_ids"].shape[0] :]
+    out = [
+        model_sequence_logprobs(
+            model,
+            part["input_ids"],
+            part["labels"],
+            attention_mask=part.get("attention_mask"),
+            chunk_size=chunk_size,
+            average=average,
+        )
+        for part in (chosen, rejected)
+    ]
     return out[0], out[1]
 
 
