@@ -308,7 +308,8 @@ def test_trainable_base_and_foreign_base_are_skipped() -> None:
 
 class ExpandedLinear(nn.Linear):
     """A base with the quantized-base protocol but no sakura-quant: it stores its weight as
-    int8 codes and one scale per row, and expands them with dequantize(dtype)."""
+    int8 codes and one scale per row, and expands them with dequantize(dtype) and
+    dequantize_into(out) (``into_calls`` counts the latter)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None)
@@ -320,8 +321,14 @@ class ExpandedLinear(nn.Linear):
             self.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         self.matmul_dtype: torch.dtype | None = None
 
+    into_calls = 0
+
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return (self.weight.float() * self.scale).to(dtype or torch.float32)
+
+    def dequantize_into(self, out: torch.Tensor) -> torch.Tensor:
+        ExpandedLinear.into_calls += 1
+        return out.copy_(self.weight.float() * self.scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(x, self.dequantize(x.dtype), self.bias)
@@ -346,8 +353,11 @@ def test_duck_typed_quantized_base_with_bias(monkeypatch: pytest.MonkeyPatch) ->
     counter = CountFused(monkeypatch)
     ids = batch()
     ref_logits, ref_grads = step(ref, ids)
+    ExpandedLinear.into_calls = 0
     logits, grads = step(fused, ids)
     assert counter.calls == N_LAYERS
+    # The buffer path: 4 forward expansions, 2 backward (layer 0 reads the frozen embeddings).
+    assert ExpandedLinear.into_calls == 6
     assert rel(logits, ref_logits) <= FP32_TOL
     assert any(".bias" in name for name in grads)
     assert grads.keys() == ref_grads.keys()

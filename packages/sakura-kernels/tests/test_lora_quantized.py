@@ -140,6 +140,19 @@ def test_bf16_close_to_peft(fmt: str, dtype: torch.dtype, matmul_dtype: Any) -> 
         assert rel(grad, exact_grads[name]) <= 1.5 * peft_error + 1e-3, name
 
 
+def test_autocast_bf16_over_nf4_close_to_peft() -> None:
+    ref, fused = pair("nf4", torch.float32)
+    ids = batch()
+    exact_logits, _ = step(ref, ids)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_logits, ref_grads = step(ref, ids)
+        logits, grads = step(fused, ids)
+    assert rel(logits, ref_logits) <= BF16_VS_PEFT
+    assert rel(logits, exact_logits) <= 1.5 * rel(ref_logits, exact_logits) + 1e-3
+    for name, grad in grads.items():
+        assert rel(grad, ref_grads[name]) <= BF16_VS_PEFT, name
+
+
 def test_keep_expanded_gives_the_same_results(monkeypatch: pytest.MonkeyPatch) -> None:
     """Keeping the forward's expansion for backward changes memory and time, not values; and
     the layers expand once per step instead of twice."""

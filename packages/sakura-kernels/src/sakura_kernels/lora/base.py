@@ -13,8 +13,13 @@ Two kinds of base qualify:
   - ``dequantize(dtype) -> Tensor``: the weight, ``(out_features, in_features)``, expanded to
     ``dtype`` as a fresh tensor;
   - ``matmul_dtype`` (optional): None, or the dtype the layer's own products run in (its
-    forward casts the input to it and hands the output back in the input's dtype, or in the
-    autocast dtype under autocast).
+    forward casts the input to it and hands the output back in the input's dtype; under
+    autocast both are ``matmul_dtype`` or else the autocast dtype, as for ``nn.Linear``);
+  - ``dequantize_into(out) -> Tensor`` (optional): the weight expanded into ``out`` (a
+    ``(out_features, in_features)`` tensor of the wanted dtype), returned.  When a base offers
+    it, each product on the CPU expands into one buffer per thread and dtype, reused by every
+    layer (the weight is read by one product and not kept), instead of a fresh tensor per
+    product whose pages the allocator faults in again every time.
 
   The layer's own ``forward`` must compute ``x @ dequantize(d).T + bias`` for that ``d``:
   that is what the fused function computes instead of calling it.
@@ -25,6 +30,7 @@ is not fused: the fused function gives the base weight none.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,10 +54,30 @@ class LinearWeight:
         return self.layer.weight.to(dtype)
 
 
+class _ExpansionBuffers(threading.local):
+    """Per thread, one flat CPU buffer per dtype, grown to the largest weight expanded so far
+    (an expansion lives only for the one product that reads it)."""
+
+    def __init__(self) -> None:
+        self.flat: dict[torch.dtype, torch.Tensor] = {}
+
+    def take(self, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+        numel = shape[0] * shape[1]
+        flat = self.flat.get(dtype)
+        if flat is None or flat.numel() < numel:
+            flat = self.flat[dtype] = torch.empty(numel, dtype=dtype)
+        return flat[:numel].view(shape)
+
+
+_BUFFERS = _ExpansionBuffers()
+
+
 @dataclass(frozen=True, slots=True)
 class DequantizedWeight:
-    """A quantized base's weight, expanded by its ``dequantize(dtype)`` for each product
-    (``keep``: the forward's expansion is saved for backward instead of expanded again)."""
+    """A quantized base's weight, expanded for each product: into the thread's buffer when the
+    base offers ``dequantize_into`` (CPU, the expansion not kept, no double backward), else by
+    ``dequantize(dtype)``.  ``keep``: the forward's expansion is saved for backward instead
+    of expanded again (then always a fresh tensor)."""
 
     layer: Any
     keep: bool = False
@@ -61,6 +87,13 @@ class DequantizedWeight:
         return self.keep
 
     def weight(self, dtype: torch.dtype) -> torch.Tensor:
+        into = getattr(self.layer, "dequantize_into", None)
+        device = getattr(self.layer, "weight", None)
+        on_cpu = not isinstance(device, torch.Tensor) or device.device.type == "cpu"
+        if callable(into) and not self.keep and on_cpu and not torch.is_grad_enabled():
+            shape = (self.layer.out_features, self.layer.in_features)
+            expanded: torch.Tensor = into(_BUFFERS.take(shape, dtype))
+            return expanded
         weight: torch.Tensor = self.layer.dequantize(dtype)
         return weight
 
@@ -118,4 +151,6 @@ def base_dtypes(layer: nn.Module, x: torch.Tensor) -> tuple[torch.dtype, torch.d
     matmul_dtype = getattr(layer, "matmul_dtype", None)
     if matmul_dtype is not None and not isinstance(matmul_dtype, torch.dtype):
         return None
+    if autocast:  # as nn.Linear under autocast: the output in the dtype the product ran in
+        return (matmul_dtype or out_dtype), (matmul_dtype or out_dtype)
     return (matmul_dtype or out_dtype), out_dtype
