@@ -92,6 +92,11 @@ def test_reference_equals_a_separate_base_model_and_adapters_come_back() -> None
         batch = {k: torch.stack([e[k] for e in data[:2]]) for k in data[0] if k != "id"}  # type: ignore[misc]
         policy_c, _ = preference_logprobs(model.eval(), batch)
     assert (policy_c - ref.chosen[:2]).abs().min() > 1e-3
+    # disable_adapters=False: the policy as it is (the reference of DPO continued from an
+    # adapter), adapters included.
+    as_is = reference_logprobs(model, data[:2], disable_adapters=False)
+    assert torch.allclose(as_is.chosen, policy_c, rtol=0, atol=1e-5)
+    assert not model.training  # eval before the call, eval after it
     chosen, rejected = ref.lookup(["pair-3", "pair-0"])
     assert torch.equal(chosen, ref.chosen[[3, 0]]) and torch.equal(rejected, ref.rejected[[3, 0]])
 
@@ -137,6 +142,8 @@ def test_reference_options_are_validated() -> None:
         reference_logprobs(model, [{"rejected_input_ids": torch.zeros(3, dtype=torch.long)}])
     with pytest.raises(OptionError, match="batches_or_dataset='dict'"):
         reference_logprobs(model, examples(1)[0])  # type: ignore[arg-type]
+    with pytest.raises(OptionError, match="disable_adapters='no'"):
+        reference_logprobs(model, examples(1), disable_adapters="no")  # type: ignore[arg-type]
     twice = examples(1) * 2
     with pytest.raises(OptionError, match="id='repeated ids'"):
         reference_logprobs(model, twice)

@@ -211,6 +211,7 @@ def reference_logprobs(
     chunk_size: int = 1024,
     average: bool = False,
     key: str = "id",
+    disable_adapters: bool = True,
 ) -> ReferenceLogprobs:
     """The reference log-probabilities of every pair: ``model`` with its adapters disabled.
 
@@ -224,12 +225,17 @@ def reference_logprobs(
         average: per-token averages instead of sums (as the policy's, for IPO-style losses).
         key: the batch entry holding each example's id (default ``"id"``); without it,
             examples are numbered in order.
+        disable_adapters: True (default): the reference is the base, the adapters off.
+            False: the model as it is now, adapters included: the reference when DPO
+            continues from a trained adapter (an SFT adapter), which TRL gets by copying
+            the adapter as ``"ref"``; here the copy is two numbers per example.
 
     Returns:
         a :class:`ReferenceLogprobs`; ``lookup(ids)`` gives a batch's reference tensors.
     """
     chunk_size = check_int("chunk_size", chunk_size, minimum=1, owner=_OWNER)
     average = check_bool("average", average, owner=_OWNER)
+    disable_adapters = check_bool("disable_adapters", disable_adapters, owner=_OWNER)
     if not isinstance(key, str):
         raise option_error(
             "key", key, "the name of the batch entry holding example ids", owner=_OWNER
@@ -249,7 +255,8 @@ def reference_logprobs(
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad(), adapters_disabled(model):
+        adapters = adapters_disabled(model) if disable_adapters else contextlib.nullcontext()
+        with torch.no_grad(), adapters:
             for batch in batches_or_dataset:
                 c, r = preference_logprobs(model, batch, chunk_size=chunk_size, average=average)
                 keys.extend(_keys(batch, c.shape[0], len(keys), key))
