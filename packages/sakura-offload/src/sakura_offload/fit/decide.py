@@ -161,16 +161,19 @@ def _working_set(block_frozen: Sequence[int], prefetch: int) -> int:
 
 
 def candidates(
-    sizes: ModelSizes, budgets: Budgets, option: FitOption | None = None
+    sizes: ModelSizes,
+    budgets: Budgets,
+    option: FitOption | None = None,
+    ladder: Sequence[tuple[str, str]] = LADDER,
 ) -> list[FitPlan]:
-    """The plans of the ladder for ``sizes`` (already shrunk by ``option``), in order,
-    whatever the budgets (each with its bytes; :func:`decide` takes the first that fits).
-    Plans that cannot exist (host optimizer for an optimizer that is not AdamW, disk
-    without a disk tier) are left out."""
+    """The plans of ``ladder`` (default :data:`LADDER`) for ``sizes`` (already shrunk by
+    ``option``), in order, whatever the budgets (each with its bytes; :func:`decide` takes
+    the first that fits).  Plans that cannot exist (host optimizer for an optimizer that is
+    not AdamW, disk without a disk tier) are left out."""
     plans: list[FitPlan] = []
     grads = sizes.trainable_bytes
     n = len(sizes.block_frozen)
-    for optimizer, weights in LADDER:
+    for optimizer, weights in ladder:
         if optimizer == "host" and not sizes.host_optimizer:
             continue
         if weights == "disk" and budgets.disk is None:

@@ -29,7 +29,7 @@ _OWNER = "Fit"
 class Fit(Service):
     """Spec ``fit[:device_budget][,host_budget=..,disk_offload=..,choices=..,moment_dtype=..,
     activations=..,activation_reserve=..,prefetch=..,cost_trials=..,report=..,blocks=..,
-    log_every=..]``, e.g. ``fit:device_budget=2GiB,host_budget=8GiB,disk_offload=/tmp/x``.
+    replan=..,log_every=..]``, e.g. ``fit:device_budget=2GiB,host_budget=8GiB,disk_offload=/tmp/x``.
     The options are :func:`sakura_offload.wrap`'s, and ``log_every`` (default 50, 0: never):
     every that many optimizer steps the ``sakura_*`` metrics of
     :mod:`sakura_offload.fit.metrics` go to the loop's ``report_metrics`` (Lightning's
@@ -96,6 +96,8 @@ class Fit(Service):
     def on_optimizer_step(self, event: Any) -> None:
         if self._adamw is not None:
             self._adamw.on_optimizer_step(event)
+        if self.state is not None and self.state.replanner is not None:
+            self.state.replanner.after_step()  # measures the first step; may re-plan once
         self.metrics.step(event.epoch, event.step, self._emit_log)
 
     def _emit_log(self, metrics: Any, epoch: int, step: int) -> None:

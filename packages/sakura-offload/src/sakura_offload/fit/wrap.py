@@ -50,6 +50,12 @@ class FitState:
     planner: Any
     optimizer: Any
     budgets: Budgets
+    replans: list[Any] = dataclasses.field(default_factory=list)
+    """Re-plans made after measuring the first step (:class:`~.replan.Replan`; at most one)."""
+    replanner: Any = None
+    bandwidths: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Probed one-way copy bandwidth (bytes/s) to the device of each tier weights stream
+    from (the plan's expected extra time per block is computed from it)."""
 
 
 def fit_options(
@@ -65,6 +71,7 @@ def fit_options(
     prefetch: Any = 1,
     cost_trials: Any = 3,
     report: Any = True,
+    replan: Any = True,
     owner: str = "wrap",
 ) -> dict[str, Any]:
     """Every ``fit`` option checked (an OptionError names the option, the value and what
@@ -101,6 +108,7 @@ def fit_options(
         "prefetch": check_int("prefetch", prefetch, minimum=0, owner=owner),
         "cost_trials": check_int("cost_trials", cost_trials, minimum=0, owner=owner),
         "report": check_bool("report", report, owner=owner),
+        "replan": check_bool("replan", replan, owner=owner),
     }  # fmt: skip
 
 
@@ -229,20 +237,92 @@ def apply_fit(
     budgets: Budgets,
     options: dict[str, Any],
 ) -> FitState:
-    """Apply ``plan`` to ``model`` (and ``optimizer``); record it as ``model.sakura_fit``."""
+    """Apply ``plan`` to ``model`` (and ``optimizer``); record it as ``model.sakura_fit``.
+    When a part fails, the parts already applied are removed again (a fit choice that
+    cannot be undone stays, and a note on the error says so) and the error propagates."""
+    if getattr(model, _ATTR, None) is not None:
+        raise RuntimeError("fit: the model is wrapped already; call sakura_offload.unwrap first")
+    parts = _Applied(model)
+    try:
+        state = _apply_parts(model, optimizer, plan, choices, budgets, options, parts)
+    except BaseException as error:
+        parts.roll_back(error)
+        raise
+    if options["report"]:
+        _LOG.info("fit: plan\n%s", plan_table(plan, budgets, bandwidths=state.bandwidths))
+    return state
+
+
+def _note(error: BaseException, text: str) -> None:
+    """Add ``text`` to ``error``'s notes (shown under its traceback; ``__notes__``)."""
+    notes = getattr(error, "__notes__", None)
+    if notes is None:
+        notes = []
+        error.__notes__ = notes  # type: ignore[attr-defined]
+    notes.append(text)
+
+
+class _Applied:
+    """The parts of a plan applied so far, to take back when a later part fails: the
+    replanner's hooks, the activation planner, weight streaming, a reversible fit choice
+    (one that cannot be undone stays, and the error says so)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.choice: FitChoice | None = None
+        self.option: FitOption | None = None
+        self.paging: Any = None
+        self.planner: Any = None
+        self.replanner: Any = None
+
+    def roll_back(self, error: BaseException) -> None:
+        self.model.__dict__.pop(_ATTR, None)
+        undone: list[str] = []
+        for what, part in (("replanner", self.replanner), ("planner", self.planner),
+                           ("paging", self.paging)):  # fmt: skip
+            if part is None:
+                continue
+            try:
+                part.remove()
+                undone.append(what)
+            except Exception as exc:  # keep rolling back; the first error propagates
+                _note(error, f"fit: removing the {what} while rolling back failed: {exc}")
+        if self.choice is not None and self.option is not None:
+            if self.choice.reversible:
+                self.choice.undo(self.model)
+                undone.append(f"fit choice {self.option.label}")
+            else:
+                _note(
+                    error,
+                    f"fit: the fit choice {self.option.label} was applied and cannot be undone: "
+                    "the model keeps it (everything else fit applied was removed)",
+                )
+        if undone:
+            _note(error, f"fit: rolled back ({', '.join(undone)})")
+
+
+def _apply_parts(
+    model: nn.Module,
+    optimizer: Any,
+    plan: FitPlan,
+    choices: dict[str, FitChoice],
+    budgets: Budgets,
+    options: dict[str, Any],
+    parts: _Applied,
+) -> FitState:
+    from sakura_offload.fit.replan import Replanner
     from sakura_offload.host_optimizer.optimizer import OffloadAdamW
     from sakura_offload.paging.weights import WeightPaging
 
-    if getattr(model, _ATTR, None) is not None:
-        raise RuntimeError("fit: the model is wrapped already; call sakura_offload.unwrap first")
     choice = None
     if plan.option is not None:
         choice = choices[plan.option.choice]
+        parts.choice, parts.option = choice, plan.option
         choice.apply(model, plan.option)
     paging = None
     disk = options["disk_offload"]
     if plan.weights != "resident":
-        paging = WeightPaging(
+        paging = parts.paging = WeightPaging(
             model,
             blocks=options["blocks"],
             indices=plan.streamed_blocks,
@@ -259,6 +339,7 @@ def apply_fit(
             "activations", "plan", "'auto' or 'keep' without a device budget (on a CPU, give "
             "device_budget=)", owner="wrap",
         )  # fmt: skip
+    state = FitState(plan, choice, paging, None, optimizer, budgets)
     if mode != "keep" and plan.activation_budget is not None:
         if plan.activation_budget < 1:
             raise option_error(
@@ -278,12 +359,43 @@ def apply_fit(
         # The planner decides after its measuring forward when someone listens; it logs
         # its table itself (logger sakura_offload.planner).
         planner.on_planned = _planned
+        parts.planner = planner
         planner.attach(model)
-    state = FitState(plan, choice, paging, planner, optimizer, budgets)
+        state.planner = planner
+    replanner = parts.replanner = Replanner(model, state, options)
+    replanner.attach(optimizer)
+    state.replanner = replanner
+    if planner is not None:
+        planner.replanner = replanner
+    if paging is not None:
+        state.bandwidths = weight_bandwidths(model, plan, options)
+    dev = _device(model)
+    if dev.type == "cuda":  # the step's measured peak counts from here
+        torch.cuda.reset_peak_memory_stats(dev)
     model.__dict__[_ATTR] = state
-    if options["report"]:
-        _LOG.info("fit: plan\n%s", plan_table(plan, budgets))
     return state
+
+
+def weight_bandwidths(model: nn.Module, plan: FitPlan, options: dict[str, Any]) -> dict[str, float]:
+    """One-way copy bandwidth to the device of each tier ``plan`` streams weights from,
+    probed with tensors of its largest streamed block's size
+    (:func:`~sakura_offload.planner.cost.copy_bandwidth`)."""
+    from sakura_offload.planner.cost import copy_bandwidth
+
+    tiers = sorted({t for t in plan.block_tiers if t != "device"})
+    largest = max(
+        (
+            b
+            for b, t in zip(plan.sizes.block_frozen, plan.block_tiers, strict=True)
+            if t != "device"
+        ),
+        default=0,
+    )
+    sizes = [max(4, min(largest, 64 * 2**20))]
+    return {
+        tier: copy_bandwidth(_device(model), sizes, tier=tier, directory=options["disk_offload"])
+        for tier in tiers
+    }
 
 
 def _activation_planner(fixed: int) -> Any:
@@ -294,12 +406,19 @@ def _activation_planner(fixed: int) -> Any:
     from sakura_offload.planner import MemoryBudgetError, MemoryPlan, MemoryPlanner
 
     class FitPlanner(MemoryPlanner):
+        replanner: Any = None
+
         def decide(self, choices: Any = None) -> MemoryPlan:
             try:
                 return super().decide(choices)
             except FitError:
                 raise
             except MemoryBudgetError as error:
+                if self.replanner is not None and choices is None:
+                    budget = self.replanner.on_activations(error.budget, error.minimum)
+                    if budget is not None:  # the measured step re-planned (fit.replan)
+                        self.budget = budget
+                        return super().decide(choices)
                 total = fixed + error.minimum
                 raise FitError(
                     f"fit: the activations do not fit what the plan leaves of the device "
@@ -325,7 +444,8 @@ def wrap(model: nn.Module, optimizer: Any = None, **options: Any) -> tuple[nn.Mo
     activations), ``blocks``, ``choices`` (``"auto"``: every registered fit choice),
     ``moment_dtype`` (``"auto"``), ``activations`` (``"auto"``: a memory planner when a
     device budget is known; ``"plan"``; ``"keep"``), ``activation_reserve``, ``prefetch``,
-    ``cost_trials``, ``report``.  See ``docs/offload.md``, "fit"."""
+    ``cost_trials``, ``report``, ``replan`` (default True: measure the first step and
+    re-plan once when it does not fit, :mod:`.replan`).  See ``docs/offload.md``, "fit"."""
     if not isinstance(model, nn.Module):
         raise option_error("model", type(model).__name__, "a torch.nn.Module", owner="wrap")
     checked = fit_options(**options)
@@ -342,6 +462,8 @@ def unwrap(model: nn.Module) -> nn.Module:
     state = model.__dict__.pop(_ATTR, None)
     if state is None:
         raise ValueError("unwrap: the model was not wrapped by sakura_offload.wrap")
+    if state.replanner is not None:
+        state.replanner.remove()
     if state.planner is not None:
         state.planner.remove()
     if state.paging is not None:

@@ -9,9 +9,12 @@ probed with tensors of one block's sizes) and recomputing the block's forward ti
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,7 +29,15 @@ from sakura_offload.planner.plan import BlockDecision
 if TYPE_CHECKING:
     from sakura_offload.planner import MemoryPlanner
 
-__all__ = ["Costs", "bandwidth", "cached_costs", "tier_bandwidth", "time_choices", "timed_costs"]
+__all__ = [
+    "Costs",
+    "bandwidth",
+    "cached_costs",
+    "copy_bandwidth",
+    "tier_bandwidth",
+    "time_choices",
+    "timed_costs",
+]
 
 Run = Callable[[str, tuple[Any, ...], dict[str, Any]], Any]
 """``run(choice, args, kwargs)``: call the block with ``choice`` applied."""
@@ -180,6 +191,44 @@ def bandwidth(planner: MemoryPlanner, tier: str) -> float:
         _sync(planner.device)
         best = min(best, time.perf_counter() - start)
         del pages, back
+    return nbytes / max(best, 1e-9)
+
+
+def copy_bandwidth(
+    device: torch.device,
+    sizes: Sequence[int],
+    *,
+    tier: str = "host",
+    directory: str | os.PathLike[str] | None = None,
+    rounds: int = 5,
+) -> float:
+    """One-way bytes per second from ``tier`` to ``device``, as weight streaming copies:
+    tensors of ``sizes`` bytes from host RAM (page-locked on CUDA) or, for ``"disk"``, from
+    a memory-mapped file written in ``directory`` (the system's temporary directory when
+    None; the page cache serves it while RAM has room, as it serves the streamed blocks)
+    copied to ``device``; the best of ``rounds``."""
+    if tier not in ("host", "disk"):
+        raise ValueError(f"copy_bandwidth: tier={tier!r} is not accepted; 'host' or 'disk'")
+    counts = [max(1, n // 4) for n in sizes]
+    with contextlib.ExitStack() as stack:
+        if tier == "disk":
+            folder = stack.enter_context(tempfile.TemporaryDirectory(dir=directory))
+            path = os.path.join(folder, "probe.bin")
+            torch.full((sum(counts),), 1.5).numpy().tofile(path)
+            flat = torch.from_file(path, shared=False, size=sum(counts), dtype=torch.float32)
+            sources = list(flat.split(counts))
+        else:
+            pin = device.type == "cuda"
+            sources = [torch.full((c,), 1.5, pin_memory=pin) for c in counts]
+        nbytes = 4 * sum(counts)
+        best = math.inf
+        for _ in range(rounds):
+            _sync(device)
+            start = time.perf_counter()
+            copies = [s.to(device, copy=True, non_blocking=True) for s in sources]
+            _sync(device)
+            best = min(best, time.perf_counter() - start)
+            del copies
     return nbytes / max(best, 1e-9)
 
 
