@@ -113,6 +113,24 @@ def test_fp32_outputs_and_gradients_match_peft(monkeypatch: pytest.MonkeyPatch) 
         assert rel(grad, ref_grads[name]) <= FP32_TOL, name
 
 
+def test_gradient_checkpointing_matches_peft(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under Hugging Face's gradient checkpointing the fused function is run again in
+    backward (recomputation) and gives PEFT's gradients."""
+    ref, fused = pair()
+    for model in (ref, fused):
+        model.train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    counter = CountFused(monkeypatch)
+    ids = batch()
+    ref_logits, ref_grads = step(ref, ids)
+    logits, grads = step(fused, ids)
+    assert counter.calls == 2 * N_LAYERS  # forward, and again when backward recomputes
+    assert rel(logits, ref_logits) <= FP32_TOL
+    assert grads.keys() == ref_grads.keys() and len(grads) == 2 * N_LAYERS
+    for name, grad in grads.items():
+        assert rel(grad, ref_grads[name]) <= FP32_TOL, name
+
+
 def fp32_twin(model: Any) -> Any:
     """The same model and adapters, every tensor in fp32 (the bf16 runs' yardstick)."""
     return copy.deepcopy(model).float()
