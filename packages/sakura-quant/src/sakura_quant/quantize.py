@@ -13,6 +13,7 @@ from sakura.options import check_bool, option_error
 from sakura_quant.codec import dequantize_weight, encode
 from sakura_quant.formats import QuantizedWeight
 from sakura_quant.formats.checks import check_finite
+from sakura_quant.fsdp import install_wrap_check
 from sakura_quant.linear import QuantizedLinear
 from sakura_quant.loftq import check_error_rank, fit_error, init_lora_from_error
 from sakura_quant.options import DEFAULT_SKIP, QuantOptions, WeightSpec
@@ -181,6 +182,7 @@ def quantize_with_options(
     found = find_targets(model, options.targets, options.skip)
     for name, module in found:  # before any layer changes: the model stays as it was
         _check_not_streamed(model, name)
+        _check_not_sharded(module, name)
         check_error_rank(rank, tuple(module.weight.shape), name=name, owner=_OWNER)
         check_finite(module.weight, name=f"{name}.weight")
     if not freeze:
@@ -213,7 +215,22 @@ def quantize_with_options(
         stats["bytes_before"] += weight.numel() * weight.element_size()
         stats["bytes_after"] += quantized.quantized_nbytes
     stats["lora_initialized"] = init_lora_from_error(model) if rank else 0
+    # A later fully_shard without sakura_quant.fsdp.shardable is refused on the first forward.
+    install_wrap_check(model)
     return stats
+
+
+def _check_not_sharded(module: nn.Linear, name: str) -> None:
+    """Refuse a weight that FSDP2's ``fully_shard`` already sharded (a DTensor): each rank
+    holds a slice, and quantizing slices would give every rank a different layer."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(module.weight, DTensor):
+        raise ValueError(
+            f"{_OWNER}: {name}.weight is sharded by fully_shard (a DTensor); quantize the "
+            "model before fully_shard, then call sakura_quant.fsdp.shardable(model) so that "
+            "FSDP2 shards the quantized base"
+        )
 
 
 def _check_not_streamed(model: nn.Module, name: str) -> None:

@@ -10,6 +10,8 @@ from torch import nn
 
 from sakura.options import check_bool
 from sakura.service import Service
+from sakura_quant.fsdp import check_sharded, is_fsdp_sharded, shardable
+from sakura_quant.linear import QuantizedLinear
 from sakura_quant.options import DEFAULT_SKIP, QuantOptions, matmul_dtype_name
 from sakura_quant.quantize import quantize_with_options
 
@@ -22,7 +24,8 @@ class Quantization(Service):
     """Quantizes a model's frozen ``nn.Linear`` weights when the loop prepares the model.
 
     Spec strings: ``quant:nf4``, ``quant:int8,block_size=128``, ``quant:nf4,double_quant=true``,
-    ``quant:nf4,matmul_dtype=bf16`` (the frozen matmuls in bf16 under an fp32 model).
+    ``quant:nf4,matmul_dtype=bf16`` (the frozen matmuls in bf16 under an fp32 model),
+    ``quant:nf4,fsdp=true`` (the model will be sharded by FSDP2's ``fully_shard``).
     The arguments are :func:`~sakura_quant.quantize_model`'s (the format is ``format``
     here); they are checked once, when the service is built, into ``options`` (a
     :class:`~sakura_quant.options.QuantOptions`) that ``wrap_model`` passes down as it is.
@@ -32,6 +35,13 @@ class Quantization(Service):
     way only the base layers are quantized, never the adapters. With ``error_rank`` (LoftQ),
     adapters already on the model start at the quantization error; adapters added later start
     there with :func:`~sakura_quant.init_lora_from_error`.
+
+    ``fsdp=True``: after quantizing, ``wrap_model`` makes the quantized layers shardable
+    (:func:`sakura_quant.fsdp.shardable`), so that a later ``fully_shard`` shards the
+    quantized base (each rank holds about ``1/N`` of it) instead of replicating it; call
+    ``rt.prepare`` before ``fully_shard`` then.  A model that ``fully_shard`` already wrapped
+    is not quantized (its weights are sharded): ``wrap_model`` checks its quantized layers
+    with :func:`sakura_quant.fsdp.check_sharded` and refuses unsharded ones.
 
     It runs before the other model wrappers (priority 5), so compilation and activation
     checkpointing see the quantized layers.
@@ -53,6 +63,7 @@ class Quantization(Service):
         error_rank: Any = 0,
         error_iters: Any = 1,
         matmul_dtype: Any = None,
+        fsdp: bool = False,
     ) -> None:
         self.options = QuantOptions.from_kwargs(
             owner=_OWNER,
@@ -67,6 +78,7 @@ class Quantization(Service):
             matmul_dtype=matmul_dtype,
         )
         self.freeze = check_bool("freeze", freeze, owner=_OWNER)
+        self.fsdp = check_bool("fsdp", fsdp, owner=_OWNER)
         self.stats: dict[str, int] = {}
         self._done: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
@@ -112,14 +124,21 @@ class Quantization(Service):
         return (
             f"Quantization(format={self.format!r}, block_size={self.block_size}, "
             f"double_quant={self.double_quant}, "
-            f"matmul_dtype={matmul_dtype_name(self.matmul_dtype)!r})"
+            f"matmul_dtype={matmul_dtype_name(self.matmul_dtype)!r}, fsdp={self.fsdp})"
         )
 
     def wrap_model(self, model: Any) -> Any:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Quantization needs a torch.nn.Module, got {type(model).__name__}")
+        if is_fsdp_sharded(model) and (
+            model in self._done or any(isinstance(m, QuantizedLinear) for m in model.modules())
+        ):
+            check_sharded(model)  # quantized before fully_shard: refuse an unsharded base
+            return model
         if model in self._done:
             return model  # the same model prepared again: it is already quantized
         self.stats = quantize_with_options(model, self.options, freeze=self.freeze)
+        if self.fsdp:
+            shardable(model)
         self._done.add(model)
         return model
