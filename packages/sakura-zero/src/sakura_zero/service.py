@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -60,6 +60,31 @@ def _find_ddp(model: Any, loop: LoopContext | None = None) -> Any:
     if loop is not None and loop.wrapped_model is not None:
         wrapped = loop.wrapped_model()
     return wrapped if isinstance(wrapped, DistributedDataParallel) else None
+
+
+def _first_dtensor(params: Iterable[Any]) -> str | None:
+    """A description of the first DTensor among ``params`` (FSDP2's ``fully_shard`` turns
+    every parameter it manages into one), or None."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - a torch without DTensor has no FSDP2
+        return None
+    for param in params:
+        if isinstance(param, DTensor):
+            return f"{tuple(param.shape)} {param.dtype} placed {list(param.placements)}"
+    return None
+
+
+def _refuse_fsdp2(who: str, what: str, params: Iterable[Any]) -> None:
+    found = _first_dtensor(params)
+    if found is not None:
+        raise ValueError(
+            f"{who} cannot shard {what} sharded by FSDP2 (fully_shard): its parameters are "
+            f"DTensors (one is {found}), and FSDP2 already shards the parameters, the "
+            f"gradients and the optimizer state across the ranks; remove the "
+            f"{who.lower()} service and let FSDP2 shard alone, or use {who} with "
+            f"DistributedDataParallel instead of fully_shard"
+        )
 
 
 class _ZeRO(Service):
@@ -150,6 +175,11 @@ class _ZeRO(Service):
             if sharding.optimizer is optimizer:
                 return optimizer
         check_optimizer(optimizer, self._who)
+        _refuse_fsdp2(
+            self._who,
+            "an optimizer over a model",
+            (p for group in optimizer.param_groups for p in group["params"]),
+        )
         info = resolve_group(self.process_group, self._who)
         sharding = OptimizerSharding(
             optimizer,
@@ -202,6 +232,7 @@ class _ZeRO(Service):
         named = getattr(model, "named_parameters", None)
         if named is None:
             return
+        _refuse_fsdp2(self._who, "a model", (p for _, p in named()))
         for name, p in named():
             self._names.setdefault(id(p), name)
 
