@@ -288,6 +288,43 @@ def test_second_adapter_and_set_adapter(monkeypatch: pytest.MonkeyPatch) -> None
         assert counter.calls == N_LAYERS
 
 
+def test_base_unfrozen_after_fusing_runs_peft(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused function gives the base weight no gradient: a base made trainable after
+    fusing runs PEFT's forward, so its weight gets its gradient."""
+    ref, fused = pair()
+    for model in (ref, fused):
+        model.base_model.model.model.layers[1].mlp.down_proj.base_layer.weight.requires_grad_()
+    counter = CountFused(monkeypatch)
+    ids = batch()
+    ref_logits, ref_grads = step(ref, ids)
+    logits, grads = step(fused, ids)
+    assert counter.calls == N_LAYERS - 1
+    name = "base_model.model.model.layers.1.mlp.down_proj.base_layer.weight"
+    assert name in grads and grads.keys() == ref_grads.keys()
+    assert rel(grads[name], ref_grads[name]) <= FP32_TOL
+    assert rel(logits, ref_logits) <= FP32_TOL
+
+
+def test_merge_and_unload_of_a_fused_model() -> None:
+    ref, fused = pair()
+    ids = batch()
+    with torch.no_grad():
+        expected = ref(input_ids=ids).logits
+        merged = fused.merge_and_unload()
+        assert not any(is_fused(m) for m in merged.modules())
+        assert rel(merged(input_ids=ids).logits, expected) <= 1e-5
+
+
+def test_two_active_adapters_are_skipped() -> None:
+    model = lora(tiny_llama())
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=PROJECTIONS)
+    model.add_adapter("other", config)
+    model.base_model.set_adapter(["default", "other"])
+    report = fuse_lora(model)
+    assert report.fused == [] and len(report.skipped) == N_LAYERS
+    assert all("2 active adapters" in why for _, why in report.skipped)
+
+
 @pytest.mark.parametrize(
     ("config", "why"),
     [

@@ -110,31 +110,38 @@ def _offers_dequantize(layer: nn.Module) -> bool:
     )
 
 
+def _trainable_weight(layer: nn.Module) -> bool:
+    return any(p.requires_grad for n, p in layer.named_parameters(recurse=False) if n != "bias")
+
+
+_TRAINABLE = "the base weight is trainable (the fused function gives it no gradient)"
+
+
 def base_problem(layer: nn.Module) -> str | None:
     """Why ``layer`` cannot be a fused base, or None when it can."""
     bias = getattr(layer, "bias", None)
     if bias is not None and not isinstance(bias, torch.Tensor):
         return f"base layer {type(layer).__name__} has a bias that is not a tensor"
-    if _is_plain_linear(layer):
-        if layer.weight.requires_grad:
-            return "the base weight is trainable (the fused function gives it no gradient)"
-        return None
-    if _offers_dequantize(layer):
-        trainable = [name for name, p in layer.named_parameters(recurse=False) if p.requires_grad]
-        if any(name != "bias" for name in trainable):
-            return "the base weight is trainable (the fused function gives it no gradient)"
-        return None
-    return (
-        f"base layer {type(layer).__name__} is neither a plain nn.Linear nor a quantized "
-        "layer with dequantize(dtype)"
-    )
+    if not _is_plain_linear(layer) and not _offers_dequantize(layer):
+        return (
+            f"base layer {type(layer).__name__} is neither a plain nn.Linear nor a quantized "
+            "layer with dequantize(dtype)"
+        )
+    return _TRAINABLE if _trainable_weight(layer) else None
 
 
-def weight_source_for(layer: nn.Module, keep_expanded: bool) -> LinearWeight | DequantizedWeight:
-    """The weight source of an eligible base (``base_problem(layer)`` is None)."""
+def weight_source_for(
+    layer: nn.Module, keep_expanded: bool
+) -> LinearWeight | DequantizedWeight | None:
+    """The weight source of ``layer``, or None where it is no longer a base the fused function
+    can read (checked at every call: a base may be swapped or unfrozen after fusing)."""
+    if _trainable_weight(layer):
+        return None
     if isinstance(layer, nn.Linear) and _is_plain_linear(layer):
         return LinearWeight(layer)
-    return DequantizedWeight(layer, keep_expanded)
+    if _offers_dequantize(layer):
+        return DequantizedWeight(layer, keep_expanded)
+    return None
 
 
 def base_dtypes(layer: nn.Module, x: torch.Tensor) -> tuple[torch.dtype, torch.dtype] | None:

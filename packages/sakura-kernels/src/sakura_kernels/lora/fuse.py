@@ -12,8 +12,8 @@ Patching sets an instance ``forward`` on the layer (the class is untouched, so `
 it.  At every call the patched forward checks that the layer is still as it was fused -- the
 adapters enabled (PEFT's ``disable_adapter()`` context, ``disable_adapter_layers()``), not
 merged (``merge_adapter()``), the same single active adapter (``set_adapter``), no per-call
-``adapter_names`` or other arguments -- and otherwise runs PEFT's own forward, so every PEFT
-feature still works, unfused, for that call.
+``adapter_names`` or other arguments, a frozen base it can read -- and otherwise runs PEFT's
+own forward, so every PEFT feature still works, unfused, for that call.
 """
 
 from __future__ import annotations
@@ -111,6 +111,7 @@ def _ready(layer: Any, state: _Fused, x: torch.Tensor, args: tuple[Any, ...], kw
         and not layer.merged
         and list(layer.active_adapters) == [state.adapter]
         and state.adapter in layer.lora_A
+        and state.adapter not in layer.lora_variant
     )
 
 
@@ -122,7 +123,8 @@ def _fused_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> tor
         return result
     base = self.base_layer
     dtypes = base_dtypes(base, x)
-    if dtypes is None:
+    source = weight_source_for(base, state.keep_expanded)
+    if dtypes is None or source is None:
         result = stock(self, x)
         return result
     lora_a = self.lora_A[state.adapter].weight
@@ -132,7 +134,7 @@ def _fused_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> tor
         lora_a,
         lora_b,
         base.bias,
-        weight_source_for(base, state.keep_expanded),
+        source,
         float(self.scaling[state.adapter]),
         *dtypes,
     )
