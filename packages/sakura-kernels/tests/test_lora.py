@@ -15,6 +15,7 @@ Tolerances (relative, ``|a - b| / |b|`` over the whole tensor):
 from __future__ import annotations
 
 import copy
+import pickle
 from typing import Any
 
 import pytest
@@ -249,6 +250,28 @@ def test_unfuse_restores_the_stock_layers() -> None:
     again = fuse_lora(fused)
     assert len(again.fused) == N_LAYERS
     assert fuse_lora(fused).fused == again.fused  # idempotent
+
+
+def test_a_fused_model_deep_copies_and_pickles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copy's layers are fused and read the copy's own adapters."""
+    ref, fused = pair()
+    ids = batch()
+    clone = copy.deepcopy(fused)
+    restored = pickle.loads(pickle.dumps(fused))
+    with torch.no_grad():
+        for model in (ref, fused):  # the originals change; the copies must not follow
+            model.base_model.model.model.layers[0].self_attn.q_proj.lora_B.default.weight.mul_(3)
+        expected = ref(input_ids=ids).logits
+        assert rel(fused(input_ids=ids).logits, expected) <= FP32_TOL
+        plain = copy.deepcopy(clone)
+        unfuse_lora(plain)
+        unchanged = plain(input_ids=ids).logits
+        counter = CountFused(monkeypatch)
+        for other in (clone, restored):
+            assert sum(is_fused(m) for m in other.modules()) == N_LAYERS
+            assert rel(other(input_ids=ids).logits, unchanged) <= FP32_TOL
+        assert counter.calls == 2 * N_LAYERS
+    assert rel(unchanged, expected) > 1e-4
 
 
 def test_merge_falls_back_to_peft(monkeypatch: pytest.MonkeyPatch) -> None:

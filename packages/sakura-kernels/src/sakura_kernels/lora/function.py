@@ -36,6 +36,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import torch
+from torch.autograd.function import once_differentiable
 
 __all__ = ["FusedLoraFunction", "WeightSource", "fused_lora_linear"]
 
@@ -76,6 +77,7 @@ class FusedLoraFunction(torch.autograd.Function):
             return _forward(ctx, x, lora_a, lora_b, bias, source, scaling, base_dtype, out_dtype)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         with torch.autocast(grad_out.device.type, enabled=False):
             return _backward(ctx, grad_out)

@@ -7,7 +7,7 @@ plain LoRA: dropout off (``lora_dropout=0``), no DoRA or other PEFT variant, no 
 :mod:`sakura_kernels.lora.base` accepts (plain ``nn.Linear`` or a quantized layer offering
 ``dequantize(dtype)``), frozen.  Anything else is left to PEFT and reported with the reason.
 
-Patching sets an instance ``forward`` on the layer (the class is untouched, so ``isinstance``,
+Patching sets an instance ``forward`` (a :class:`FusedForward`) on the layer (the class is untouched, so ``isinstance``,
 ``repr``, the state dict and PEFT's own methods see the stock layer); ``unfuse_lora`` removes
 it.  At every call the patched forward checks that the layer is still as it was fused -- the
 adapters enabled (PEFT's ``disable_adapter()`` context, ``disable_adapter_layers()``), not
@@ -18,7 +18,6 @@ own forward, so every PEFT feature still works, unfused, for that call.
 
 from __future__ import annotations
 
-import types
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,10 +28,7 @@ from sakura.options import check_bool, option_error
 from sakura_kernels.lora.base import base_dtypes, base_problem, weight_source_for
 from sakura_kernels.lora.function import fused_lora_linear
 
-__all__ = ["FuseReport", "fuse_lora", "is_fused", "unfuse_lora"]
-
-# The instance attribute that marks a fused layer and holds what it was fused with.
-_STATE = "_sakura_fused_lora"
+__all__ = ["FuseReport", "FusedForward", "fuse_lora", "is_fused", "unfuse_lora"]
 
 
 @dataclass
@@ -47,12 +43,6 @@ class FuseReport:
         lines = [f"fused LoRA: {len(self.fused)} layers fused, {len(self.skipped)} skipped"]
         lines += [f"  skipped {name}: {why}" for name, why in self.skipped]
         return "\n".join(lines)
-
-
-@dataclass(frozen=True, slots=True)
-class _Fused:
-    adapter: str
-    keep_expanded: bool
 
 
 def _lora_linear_class() -> type[nn.Module] | None:
@@ -101,48 +91,56 @@ def _layer_problem(layer: Any) -> str | None:
     return base_problem(layer.base_layer)
 
 
-def _ready(layer: Any, state: _Fused, x: torch.Tensor, args: tuple[Any, ...], kwargs: Any) -> bool:
-    """Whether this call can take the fused path (else PEFT's forward runs)."""
-    return (
-        not args
-        and not kwargs
-        and isinstance(x, torch.Tensor)
-        and not layer.disable_adapters
-        and not layer.merged
-        and list(layer.active_adapters) == [state.adapter]
-        and state.adapter in layer.lora_A
-        and state.adapter not in layer.lora_variant
-    )
+class FusedForward:
+    """The ``forward`` a fused layer gets (an instance attribute): the fused function when the
+    layer is as it was fused, else PEFT's own forward.  A plain object, not a bound method, so
+    that a fused model deep-copies and pickles (the copy's forward is bound to the copy)."""
 
+    def __init__(self, layer: nn.Module, adapter: str, keep_expanded: bool) -> None:
+        self.layer = layer
+        self.adapter = adapter
+        self.keep_expanded = keep_expanded
 
-def _fused_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    state: _Fused = self.__dict__[_STATE]
-    stock = type(self).forward
-    if not _ready(self, state, x, args, kwargs):
-        result: torch.Tensor = stock(self, x, *args, **kwargs)
-        return result
-    base = self.base_layer
-    dtypes = base_dtypes(base, x)
-    source = weight_source_for(base, state.keep_expanded)
-    if dtypes is None or source is None:
-        result = stock(self, x)
-        return result
-    lora_a = self.lora_A[state.adapter].weight
-    lora_b = self.lora_B[state.adapter].weight
-    return fused_lora_linear(
-        x,
-        lora_a,
-        lora_b,
-        base.bias,
-        source,
-        float(self.scaling[state.adapter]),
-        *dtypes,
-    )
+    def ready(self, x: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether this call can take the fused path."""
+        layer: Any = self.layer
+        return (
+            not args
+            and not kwargs
+            and isinstance(x, torch.Tensor)
+            and not layer.disable_adapters
+            and not layer.merged
+            and list(layer.active_adapters) == [self.adapter]
+            and self.adapter in layer.lora_A
+            and self.adapter not in layer.lora_variant
+        )
+
+    def __call__(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        layer: Any = self.layer
+        stock = type(layer).forward
+        if not self.ready(x, args, kwargs):
+            result: torch.Tensor = stock(layer, x, *args, **kwargs)
+            return result
+        base = layer.base_layer
+        dtypes = base_dtypes(base, x)
+        source = weight_source_for(base, self.keep_expanded)
+        if dtypes is None or source is None:
+            result = stock(layer, x)
+            return result
+        return fused_lora_linear(
+            x,
+            layer.lora_A[self.adapter].weight,
+            layer.lora_B[self.adapter].weight,
+            base.bias,
+            source,
+            float(layer.scaling[self.adapter]),
+            *dtypes,
+        )
 
 
 def is_fused(layer: nn.Module) -> bool:
     """Whether ``layer`` is a LoRA layer patched by :func:`fuse_lora`."""
-    return _STATE in layer.__dict__
+    return isinstance(layer.__dict__.get("forward"), FusedForward)
 
 
 def fuse_lora(model: nn.Module, *, keep_expanded: bool = False) -> FuseReport:
@@ -175,8 +173,7 @@ def fuse_lora(model: nn.Module, *, keep_expanded: bool = False) -> FuseReport:
             report.skipped.append((name, why))
             continue
         (adapter,) = layer.active_adapters
-        layer.__dict__[_STATE] = _Fused(adapter, keep)
-        layer.forward = types.MethodType(_fused_forward, layer)
+        layer.forward = FusedForward(layer, adapter, keep)
         report.fused.append(name)
     return report
 
@@ -189,7 +186,6 @@ def unfuse_lora(model: nn.Module) -> list[str]:
     restored = []
     for name, module in model.named_modules():
         if is_fused(module):
-            del module.__dict__[_STATE]
-            module.__dict__.pop("forward", None)
+            del module.__dict__["forward"]
             restored.append(name)
     return restored
