@@ -139,6 +139,25 @@ def test_step_peak_over_the_budget_replans_after_the_first_step(
     assert_same(result, expected)
 
 
+def test_a_step_over_the_estimate_within_the_budget_is_logged_and_kept(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("sakura_offload.fit.replan.MARGIN", 0.01)  # the momentum is 2 % here
+    resident = find(plans(sgd), "device", "resident")
+    budget = resident.device_bytes + resident.sizes.trainable_bytes  # holds the momentum
+    model = lora_llama()
+    with caplog.at_level(logging.INFO, logger="sakura_offload.fit"):
+        model, optimizer = sakura_offload.wrap(
+            model, sgd(model), device_budget=budget, activations="keep", choices=None
+        )
+        train(model, optimizer)
+    assert model.sakura_fit.replans == [] and model.sakura_fit.plan.weights == "resident"
+    assert (
+        f"device peak measured {budget} bytes, over the plan's estimate of "
+        f"{resident.device_bytes}; it fits device_budget={budget}, the plan stays"
+    ) in caplog.text
+
+
 def test_replan_off_keeps_the_plan_and_is_checked() -> None:
     ladder = plans(sgd)
     model = lora_llama()

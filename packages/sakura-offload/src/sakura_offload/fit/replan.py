@@ -41,9 +41,13 @@ from sakura_offload.fit.decide import WEIGHT_PLACES, FitError, FitPlan, ModelSiz
 if TYPE_CHECKING:
     from sakura_offload.fit.wrap import FitState
 
-__all__ = ["Replan", "Replanner", "measured_device_bytes"]
+__all__ = ["MARGIN", "Replan", "Replanner", "measured_device_bytes"]
 
 _LOG = logging.getLogger("sakura_offload.fit")
+
+MARGIN = 0.05
+"""A measured step peak within the budget but this fraction over the plan's estimate is
+logged (INFO); over the budget it re-plans."""
 
 
 @dataclass(frozen=True)
@@ -145,10 +149,17 @@ class Replanner:
         if budget is None or self.state.replans:
             return
         peak, held = measured_device_bytes(self.state, self.model)
-        if peak <= budget:
-            return
         planner = self.state.planner
         applied = getattr(planner, "applied", None)
+        if peak <= budget:
+            estimate = self.estimated_peak()
+            if peak > estimate * (1 + MARGIN):
+                _LOG.info(
+                    "fit: the first step's device peak measured %d bytes, over the plan's "
+                    "estimate of %d; it fits device_budget=%d, the plan stays",
+                    peak, estimate, budget,
+                )  # fmt: skip
+            return
         activations = 0 if applied is None else int(applied.least_peak)
         if planner is None and held < peak:  # CUDA without a planner: what is not state
             activations = peak - held
@@ -158,6 +169,16 @@ class Replanner:
         if planner is not None and new.activation_budget is not None:
             planner.budget = new.activation_budget
             planner.decide()
+
+    def estimated_peak(self) -> int:
+        """The device peak the plan expects: its state bytes, with the activations' reserve
+        replaced by the planner's estimated peak once it planned."""
+        plan = self.state.plan
+        applied = getattr(self.state.planner, "applied", None)
+        if applied is None:
+            return plan.device_bytes
+        reserve = self.state.budgets.activation_reserve
+        return plan.device_bytes - reserve + int(applied.estimated_peak)
 
     def on_activations(self, budget: int, minimum: int) -> int | None:
         """The activation planner cannot fit ``minimum`` bytes (its least peak) in

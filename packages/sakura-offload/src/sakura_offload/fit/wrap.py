@@ -362,11 +362,12 @@ def _apply_parts(
         parts.planner = planner
         planner.attach(model)
         state.planner = planner
-    replanner = parts.replanner = Replanner(model, state, options)
-    replanner.attach(optimizer)
-    state.replanner = replanner
-    if planner is not None:
-        planner.replanner = replanner
+    if options["replan"] and budgets.device is not None:  # nothing to hold without a limit
+        replanner = parts.replanner = Replanner(model, state, options)
+        replanner.attach(optimizer)
+        state.replanner = replanner
+        if planner is not None:
+            planner.replanner = replanner
     if paging is not None:
         state.bandwidths = weight_bandwidths(model, plan, options)
     dev = _device(model)
