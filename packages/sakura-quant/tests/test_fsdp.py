@@ -461,6 +461,39 @@ def test_shardable_layers_compute_exactly_as_before_and_keep_their_bytes(fmt: st
         fresh.load_state_dict(state)
 
 
+def test_a_plain_quantized_checkpoint_loads_into_a_shardable_model() -> None:
+    """A state dict saved before shardable (each tensor in its own dtype and shape) loads
+    into a shardable model as bytes: same logits, bit for bit."""
+    saved = qlora("nf4-dq")
+    ids = batch()
+    with torch.no_grad():
+        expected = saved(input_ids=ids).logits
+    fresh = shardable(qlora("nf4-dq", seed=9))
+    fresh.load_state_dict(saved.state_dict())
+    with torch.no_grad():
+        assert torch.equal(fresh(input_ids=ids).logits, expected)
+
+
+def test_quant_service_fsdp_option() -> None:
+    """``quant:nf4,fsdp=true`` builds a service that makes the base shardable when it
+    quantizes; a wrong value names the option."""
+    from sakura.errors import SpecError
+    from sakura.options import OptionError
+    from sakura.plugins import get_plugin_manager
+
+    service = get_plugin_manager().create("service", "quant:nf4,double_quant=true,fsdp=true")
+    assert service.fsdp is True and "fsdp=True" in repr(service)
+    model = tiny_llama(0)
+    service.wrap_model(model)
+    layers = [m for m in model.modules() if isinstance(m, ShardableQuantizedLinear)]
+    assert len(layers) == 14
+    assert Quantization("nf4").fsdp is False
+    with pytest.raises(OptionError, match=r"Quantization: fsdp='yes'"):
+        Quantization("nf4", fsdp="yes")
+    with pytest.raises(SpecError, match=r"fsdp"):
+        get_plugin_manager().create("service", "quant:nf4,fsdp=maybe")
+
+
 def test_shardable_needs_a_module() -> None:
     with pytest.raises(ValueError, match=r"model.*torch.nn.Module"):
         shardable("not a model")  # type: ignore[arg-type]

@@ -20,8 +20,9 @@ FSDP2 has put on the module: the all-gathered tensor inside forward and backward
 The layer becomes a :class:`ShardableQuantizedLinear` (a subclass: same forward, same
 arithmetic, so a sharded run equals the unsharded one bit for bit).  Its state dict holds the
 byte layout (``weight``, ``weight_scales``, ... as flat ``uint8``); ``torch.distributed.
-checkpoint`` saves and loads it sharded and reshards it to another world size; loading
-refuses a tensor of another dtype or size instead of casting it.
+checkpoint`` saves and loads it sharded and reshards it to another world size.  Loading also
+takes a plain ``QuantizedLinear``'s state dict (each tensor in its own dtype and shape) and
+refuses a tensor of any other dtype or size instead of casting it.
 
 What would corrupt training is refused before the first product runs, with an error that
 says what to do: :func:`check_sharded` (called by the ``quant`` service when it sees an
@@ -129,19 +130,30 @@ class ShardableQuantizedLinear(QuantizedLinear):
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        # The byte layout only: a tensor of another dtype or size would be cast or refused
-        # late by copy_, so it is refused here, by name (never re-quantized as a weight).
-        for name in self._byte_layout:
+        # The byte layout, or a plain QuantizedLinear's (each tensor in its own dtype and
+        # shape, taken as its bytes); anything else would be cast or refused late by copy_,
+        # so it is refused here, by name (never re-quantized as a weight).
+        state_dict = dict(state_dict)
+        for name, (shape, dtype) in self._byte_layout.items():
             incoming = state_dict.get(prefix + name)
             if incoming is None:
                 continue
             current = getattr(self, name)
+            native = (
+                not _is_dtensor(incoming)
+                and incoming.dtype == dtype
+                and tuple(incoming.shape) == shape
+                and tuple(incoming.shape) != tuple(current.shape)
+            )
+            if native:
+                incoming = incoming.detach().contiguous().reshape(-1).view(torch.uint8)
+                state_dict[prefix + name] = incoming
             if incoming.dtype != torch.uint8 or tuple(incoming.shape) != tuple(current.shape):
                 error_msgs.append(
                     f"{prefix}{name}: a shardable quantized layer stores this tensor as "
                     f"{tuple(current.shape)} uint8 bytes (sakura_quant.fsdp.shardable), got "
-                    f"{tuple(incoming.shape)} {incoming.dtype}; save and load with the same "
-                    f"layout (shardable before loading)"
+                    f"{tuple(incoming.shape)} {incoming.dtype} (neither that nor the "
+                    f"layer's own {shape} {dtype})"
                 )
                 return
         nn.Module._load_from_state_dict(
@@ -262,6 +274,8 @@ def check_sharded(model: nn.Module) -> int:
                 info.shared_modules, info.shared_param_names, strict=True
             ):
                 managed[(id(module), param_name)] = (sharded, cast)
+    if not wrapped:
+        return 0
     checked = 0
     for name, layer in model.named_modules():
         if not isinstance(layer, QuantizedLinear) or id(layer) not in wrapped:
