@@ -11,6 +11,7 @@ start (on a CPU the arithmetic of paging and recomputation is the same)."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -77,6 +78,70 @@ def test_activations_over_the_estimate_replan_to_streamed_weights(
     result = trained(model)
     sakura_offload.unwrap(model)
     assert_same(result, by_hand(plan))
+
+
+def test_replan_to_disk_keeps_the_optimizer_on_the_device(tmp_path: Path) -> None:
+    """The optimizer on the device stays there; host RAM holds one block: the others stream
+    from disk, like the same WeightPaging by hand."""
+    ladder = plans(disk=HUGE)
+    resident = find(ladder, "device", "resident")
+    one_block = resident.sizes.block_frozen[0]
+    model = lora_llama()
+    model, optimizer = sakura_offload.wrap(
+        model, adamw(model), device_budget=resident.device_bytes + 1000, host_budget=one_block,
+        activation_reserve=0, cost_trials=0, choices=None, disk_offload=tmp_path / "fit",
+    )  # fmt: skip
+    assert model.sakura_fit.plan.weights == "resident"
+    train(model, optimizer)
+    state = model.sakura_fit
+    plan = state.plan
+    assert (plan.optimizer, plan.weights) == ("device", "disk")
+    assert plan.block_tiers == ("host",) + ("disk",) * (LAYERS - 1)
+    assert state.paging.stats.disk_bytes == sum(plan.sizes.block_frozen[1:])
+    assert type(optimizer) is torch.optim.AdamW and state.optimizer is optimizer
+    assert set(state.bandwidths) == {"host", "disk"}
+    result = trained(model)
+    sakura_offload.unwrap(model)
+    assert not (tmp_path / "fit").exists() or not any((tmp_path / "fit").rglob("*.bin"))
+    expected = lora_llama()
+    paging = sakura_offload.WeightPaging(
+        expected, disk_offload=tmp_path / "by-hand", host_budget=plan.host_weight_bytes
+    )
+    train(expected, adamw(expected))
+    assert_same(result, trained(expected))
+    paging.remove()
+
+
+def test_gradient_accumulation_moves_the_weights_before_the_next_forward() -> None:
+    budget = find(plans(), "device", "resident").device_bytes + 1000  # AdamW on the device
+
+    def accumulate(model: Any, optimizer: Any) -> None:
+        g = torch.Generator().manual_seed(3)
+        for _ in range(2):
+            for _ in range(2):  # two micro-batches per optimizer step
+                ids = torch.randint(0, 61, (2, 12), generator=g)
+                (model(input_ids=ids, labels=ids).loss / 2).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    model = lora_llama()
+    model, optimizer = sakura_offload.wrap(
+        model, adamw(model), device_budget=budget, host_budget=HUGE, activation_reserve=0,
+        cost_trials=0, choices=None,
+    )  # fmt: skip
+    accumulate(model, optimizer)
+    state = model.sakura_fit
+    assert (state.plan.optimizer, state.plan.weights) == ("device", "host")
+    assert len(state.replans) == 1
+    # moved before the second micro-batch: 3 forwards (+ backwards) streamed
+    assert state.paging.stats.materialised == 2 * LAYERS * 3
+    result = trained(model)
+    sakura_offload.unwrap(model)
+    expected = lora_llama()
+    paging = sakura_offload.WeightPaging(expected)
+    accumulate(expected, adamw(expected))
+    assert_same(result, trained(expected))
+    paging.remove()
 
 
 def test_no_plan_holds_the_measured_activations_names_the_smallest_budget() -> None:
