@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
 from sakura import events as ev
 from sakura.loop import LoopContext
@@ -32,7 +32,7 @@ CHECKPOINT_KEY = "sakura"
 # Coordinated calls that only the precision plugin can carry out under Lightning.
 _PRECISION_CALLS = ("autocast", "wrap_loss", "unscale_gradients", "optimizer_step")
 _ALL_CALLS = (*_PRECISION_CALLS, "wrap_model", "wrap_optimizer")
-_SUPPORTED_STRATEGIES = (SingleDeviceStrategy, DDPStrategy)
+_SUPPORTED_STRATEGIES = (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy)
 # The hooks the Trainer calls on every callback (lightning.Callback's public methods).
 _CALLBACK_HOOKS = tuple(
     name for name, value in vars(Callback).items() if not name.startswith("_") and callable(value)
