@@ -4,6 +4,8 @@ the Hugging Face Trainer (SakuraTrainer) and Lightning; the head (the logits) ne
 from __future__ import annotations
 
 import copy
+import inspect
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +91,25 @@ def test_raw_loop_loss_and_gradients_equal_the_models_own(use_peft: bool) -> Non
         assert abs(model(**data, num_items_in_batch=17).loss.item() - own.item()) <= TOL
     # Uninstalled (the runtime closed): the original forward is back.
     assert model(**data).logits is not None
+
+
+def test_a_deepcopy_of_a_wrapped_model_computes_its_own_loss() -> None:
+    model = llama()
+    ChunkedLoss(5).wrap_model(model)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.lm_head.weight.mul_(2.0)  # the copy's own weights differ
+    data = batch()
+    got = twin(**data)
+    assert got.logits is None
+    own = type(twin).forward(twin, **data).loss  # the class's forward on the copy
+    assert abs(got.loss.item() - own.item()) <= TOL
+    assert abs(model(**data).loss.item() - own.item()) > 1e-3
+    # The HF Trainer reads the forward's signature (dataset columns, loss kwargs).
+    assert list(inspect.signature(model.forward).parameters)[:2] == ["input_ids", "attention_mask"]
+    restored = pickle.loads(pickle.dumps(model))
+    assert restored(**data).logits is None
+    assert abs(restored(**data).loss.item() - model(**data).loss.item()) <= TOL
 
 
 def test_eval_mode_keeps_the_models_own_forward_unless_in_eval() -> None:

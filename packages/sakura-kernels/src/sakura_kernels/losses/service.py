@@ -19,11 +19,10 @@ logits), unless ``in_eval=True``.  Uninstalling the service (its ``teardown``) o
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-import functools
 import inspect
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -96,59 +95,74 @@ class ChunkedLoss(Service):
                 owner=_OWNER,
             )
         for target in targets:
-            if target in self._patched:
-                continue
             _causal_lm_parts(target)  # refuses an adapted head or logit transforms, now
-            original = target.forward
-            target.forward = self._chunked_forward(target, original)
+            target.__dict__[_OPTIONS] = (self.chunk, self.in_eval)
+            target.forward = _ChunkedForward(target)
             self._patched.add(target)
         return model
 
     def unwrap(self, model: nn.Module) -> None:
         """Give every ``*ForCausalLM`` in ``model`` its own ``forward`` back."""
         for target in find_causal_lms(model):
-            if target in self._patched:
-                del target.forward
-                self._patched.discard(target)
+            _restore(target)
+            self._patched.discard(target)
 
     def teardown(self) -> None:
         for target in list(self._patched):
-            del target.forward
+            _restore(target)
         self._patched = weakref.WeakSet()
 
-    def _chunked_forward(self, target: nn.Module, original: Callable[..., Any]) -> Any:
-        signature = inspect.signature(original)
-        chunk, in_eval = self.chunk, self.in_eval
-        ref = weakref.ref(target)
 
-        @functools.wraps(original)
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            model = ref()
-            bound = signature.bind(*args, **kwargs)
-            arguments = dict(bound.arguments)
-            extra = arguments.pop(
-                next(
-                    (
-                        p.name
-                        for p in signature.parameters.values()
-                        if p.kind is inspect.Parameter.VAR_KEYWORD
-                    ),
-                    "",
-                ),
-                {},
-            )
-            arguments.update(extra)
-            labels = arguments.get("labels")
-            shift_labels = arguments.get("shift_labels")
-            if (
-                model is None
-                or (labels is None and shift_labels is None)
-                or not (model.training or in_eval)
-            ):
-                return original(*args, **kwargs)
-            return _loss_forward(model, arguments, chunk)
+_OPTIONS = "_sakura_chunked_loss"
 
-        return forward
+
+def _restore(target: nn.Module) -> None:
+    if target.__dict__.pop(_OPTIONS, None) is not None:
+        target.__dict__.pop("forward", None)
+
+
+class _ChunkedForward:
+    """The patched ``forward`` of a ``*ForCausalLM`` (an instance attribute): with labels
+    (in training mode, or with ``in_eval``) the chunked loss from the hidden states; else
+    the class's own forward.
+
+    It carries the class forward's signature (the HF Trainer reads it to keep a dataset's
+    columns and to pass ``num_items_in_batch``), and a deepcopy of the model (an EMA, a
+    reference copy) gets one bound to the copy, not to the original."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(type(self.module).forward.__get__(self.module))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _ChunkedForward:
+        return _ChunkedForward(copy.deepcopy(self.module, memo))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_ChunkedForward, (self.module,))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _chunked_forward(self.module, *args, **kwargs)
+
+
+def _chunked_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    original = type(self).forward.__get__(self)
+    options = self.__dict__.get(_OPTIONS)
+    if options is None:
+        return original(*args, **kwargs)
+    chunk, in_eval = options
+    if not (self.training or in_eval):
+        return original(*args, **kwargs)
+    signature = inspect.signature(original)
+    arguments = dict(signature.bind(*args, **kwargs).arguments)
+    for parameter in signature.parameters.values():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            arguments.update(arguments.pop(parameter.name, {}))
+    if arguments.get("labels") is None and arguments.get("shift_labels") is None:
+        return original(*args, **kwargs)
+    return _loss_forward(self, arguments, chunk)
 
 
 def _loss_forward(model: nn.Module, arguments: dict[str, Any], chunk: int) -> Any:
