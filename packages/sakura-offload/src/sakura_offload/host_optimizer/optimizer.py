@@ -34,6 +34,7 @@ from sakura_offload.host_optimizer.device_stream import CudaTransfer, DeviceTran
 from sakura_offload.host_optimizer.event_wait import EventWait
 from sakura_offload.host_optimizer.options import check_group, check_optimizer_options
 from sakura_offload.host_optimizer.placement import distributed, place, state_bytes
+from sakura_offload.host_optimizer.shards import local
 from sakura_offload.host_optimizer.state_layout import INT8_KEYS as _INT8_KEYS
 from sakura_offload.host_optimizer.state_layout import (
     export_hook,
@@ -388,7 +389,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                     continue
                 held = len(batch)
                 self._update(p, group, scale, batch)
-                if len(batch) > held and batch[-1][2].g.data_ptr() != p.grad.data_ptr():
+                if len(batch) > held and batch[-1][2].g.data_ptr() != local(p.grad).data_ptr():
                     copies += batch[-1][2].g.numel() * 4
                     if copies >= BATCH_COPY_BYTES:
                         self._run_batch(batch)
@@ -493,14 +494,15 @@ class OffloadAdamW(torch.optim.Optimizer):
     ) -> None:
         """``p``'s update; a host update is appended to ``batch`` instead where one is
         given (run by :meth:`_run_batch`)."""
-        grad = p.grad
-        if grad is None:
+        if p.grad is None:
             return
-        if grad.is_sparse:
+        if p.grad.is_sparse:
             raise RuntimeError("OffloadAdamW does not support sparse gradients")
+        grad = local(p.grad)
+        shard = local(p)  # an FSDP2 parameter is updated through its local shard
         state = self.state[p]
         if not state:
-            self._init_state(p, state)
+            self._init_state(shard, state)
         step_tensor = state["step"]
         step = int(step_tensor.item()) + 1
         step_tensor.fill_(step)  # (cheaper than += 1, which wraps the 1 in a tensor)
@@ -523,9 +525,9 @@ class OffloadAdamW(torch.optim.Optimizer):
             if grad.device.type != "cpu":
                 self._moved[0] += grad.numel() * grad.element_size()
             if p.device.type != "cpu":
-                self._moved[1] += p.numel() * p.element_size()
+                self._moved[1] += shard.numel() * shard.element_size()
         if not on_device and transfer is not None and transfer.handles(p):
-            self._update_through_host(p, state, grad, h, transfer)
+            self._update_through_host(p, shard, state, grad, h, transfer)
             return
         if on_device:
             for tensor in _pinned(state):
@@ -540,16 +542,16 @@ class OffloadAdamW(torch.optim.Optimizer):
             g = grad.detach().to("cpu", torch.float32).contiguous().view(-1)
             backend = self._host_backend
         master = state.get("master")
-        work = master if master is not None else p.detach()
+        work = master if master is not None else shard.detach()
         if batch is not None and not on_device:
-            batch.append((p, master, _update_of(_flat(work), g, state, h)))
+            batch.append((shard, master, _update_of(_flat(work), g, state, h)))
             return
         self._run_update(backend, work.view(-1), g, state, h)
         if master is not None:
             # After a CUDA update the copy must be stream-ordered behind the kernel that
             # writes the master: a blocking copy that changes the dtype converts on the host
             # first, and would read the master before the kernel is done.
-            p.detach().copy_(master.view(p.shape), non_blocking=on_device)
+            shard.detach().copy_(master.view(shard.shape), non_blocking=on_device)
 
     def _run_batch(self, batch: list[tuple[torch.Tensor, torch.Tensor | None, Update]]) -> None:
         """The gathered host updates in one backend call, then their masters copied to the
@@ -600,6 +602,7 @@ class OffloadAdamW(torch.optim.Optimizer):
     def _update_through_host(
         self,
         p: torch.Tensor,
+        shard: torch.Tensor,
         state: dict[str, Any],
         grad: torch.Tensor,
         h: Hyper,
@@ -612,7 +615,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             master = state["master"] = transfer.pin(master)
         buffer = self._grad_buffers.get(p)
         if buffer is None:
-            buffer = transfer.pin(torch.empty(p.numel(), dtype=torch.float32))
+            buffer = transfer.pin(torch.empty(shard.numel(), dtype=torch.float32))
             self._grad_buffers[p] = buffer
         event = transfer.to_host(grad, buffer)
         backend, wait, index = self._host_backend, self.event_wait, self._index[p]
@@ -620,7 +623,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         def job() -> None:
             wait.wait(event, f"the gradient copy of parameter {index}")
             self._run_update(backend, master.view(-1), buffer, state, h)
-            transfer.to_device(master, p)
+            transfer.to_device(master, shard)
 
         if self._pipeline is None:
             self._pipeline = HostPipeline(timeout_s=wait.timeout_s)

@@ -12,6 +12,7 @@ import torch
 
 from sakura_offload.host_optimizer import moments as fmt
 from sakura_offload.host_optimizer.options import check_group
+from sakura_offload.host_optimizer.shards import as_like, is_sharded, local
 
 __all__ = [
     "IMPORT_STREAM",
@@ -80,17 +81,22 @@ def export_state(p: torch.Tensor, state: Mapping[str, Any], moment_dtype: str) -
     """``p``'s packed state in :class:`torch.optim.AdamW`'s layout: ``step``, fp32
     ``exp_avg`` and ``exp_avg_sq`` in the parameter's shape, ``master`` where there is one."""
     out: dict[str, Any] = {"step": state["step"]}
+    shard = local(p)
     if moment_dtype == "int8":
-        n = p.numel()
+        n = shard.numel()
         codes, absmax, s_codes, s_absmax = (state[k] for k in INT8_KEYS)
-        out["exp_avg"] = fmt.decode_signed(codes, absmax, n).reshape(p.shape)
-        root = fmt.decode_unsigned(s_codes, s_absmax, n).reshape(p.shape)
+        out["exp_avg"] = fmt.decode_signed(codes, absmax, n).reshape(shard.shape)
+        root = fmt.decode_unsigned(s_codes, s_absmax, n).reshape(shard.shape)
         out["exp_avg_sq"] = root * root
     else:
         for key in MOMENT_KEYS:
             out[key] = state[key].float()
     if "master" in state:
-        out["master"] = state["master"].view(p.shape)
+        out["master"] = state["master"].view(shard.shape)
+    if is_sharded(p):  # laid out like the FSDP2 parameter, as torch's AdamW state is
+        for key in (*MOMENT_KEYS, "master"):
+            if key in out:
+                out[key] = as_like(out[key], p)
     return out
 
 
@@ -133,6 +139,8 @@ def import_state(
     state: dict[str, Any] = {}
     if "exp_avg" not in saved or "exp_avg_sq" not in saved:
         return state
+    saved = {k: local(v) if isinstance(v, torch.Tensor) else v for k, v in saved.items()}
+    p = local(p)  # an FSDP2 parameter's state is its local shard's
     step = saved.get("step", 0)
     step_value = float(step.item() if isinstance(step, torch.Tensor) else step)
     state["step"] = torch.tensor(step_value, dtype=torch.float32)
