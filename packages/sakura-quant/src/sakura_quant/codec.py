@@ -2,19 +2,21 @@
 
 ``quantize_weight`` is the public entry (it checks its options into a
 :class:`~sakura_quant.options.WeightSpec`); ``encode`` is what the model-level code calls with
-a spec already checked.
+a spec already checked.  ``dequantize_into`` expands into a buffer the caller owns, which the
+quantized layers reuse for every product (no fresh allocation, no page faults per call).
 """
 
 from __future__ import annotations
 
 import torch
 
+from sakura_quant import _kernel
 from sakura_quant.formats import FORMATS, QuantizedWeight, nf4
 from sakura_quant.formats.checks import check_finite
 from sakura_quant.formats.double_quant import compress_scales, decompress_scales
 from sakura_quant.options import WeightSpec
 
-__all__ = ["dequantize_weight", "encode", "quantize_weight"]
+__all__ = ["dequantize_into", "dequantize_weight", "encode", "quantize_weight"]
 
 
 def quantize_weight(
@@ -74,3 +76,65 @@ def dequantize_weight(qweight: QuantizedWeight, dtype: torch.dtype | None = None
         tensors, qweight.numel, qweight.block_size, dtype or qweight.dtype
     )
     return flat.view(qweight.shape)
+
+
+def dequantize_into(qweight: QuantizedWeight, out: torch.Tensor) -> torch.Tensor:
+    """The weight expanded into ``out`` (its shape, any floating dtype), and ``out`` returned.
+
+    NF4 with fp32 scales on the CPU into a contiguous fp32 / bf16 ``out`` is expanded in
+    place by the C++ kernel (the same bits as :func:`dequantize_weight`); every other case
+    expands as :func:`dequantize_weight` does and copies.
+    """
+    if tuple(out.shape) != tuple(qweight.shape) or not out.is_floating_point():
+        raise ValueError(
+            f"dequantize_into: out must be a floating tensor of shape {tuple(qweight.shape)}, "
+            f"got {tuple(out.shape)} {out.dtype}"
+        )
+    tensors = qweight.tensors
+    if (
+        qweight.format == "nf4"
+        and out.is_contiguous()
+        and _nf4_into_cpu(tensors, qweight.numel, qweight.block_size, out)
+    ):
+        return out
+    return out.copy_(dequantize_weight(qweight, out.dtype))
+
+
+def _nf4_into_cpu(
+    tensors: dict[str, torch.Tensor], numel: int, block_size: int, out: torch.Tensor
+) -> bool:
+    """Run the C++ NF4 expansion into ``out``; False where it does not apply (another
+    device or dtype, double-quantized scales, no kernel)."""
+    data, scales = tensors["data"], tensors["scales"]
+    suffix = nf4._KERNEL_DTYPES.get(out.dtype)
+    if (
+        suffix is None
+        or out.device.type != "cpu"
+        or data.device.type != "cpu"
+        or data.dtype != torch.uint8
+        or scales.device.type != "cpu"
+        or scales.dtype != torch.float32
+    ):
+        return False
+    lib = _kernel.LIBRARY.load()
+    if lib is None:
+        return False
+    data, scales = data.contiguous(), scales.contiguous()
+    code = nf4._code(torch.device("cpu"))
+    status = getattr(lib, f"sakura_nf4_dequantize_{suffix}")(
+        data.data_ptr(),
+        data.numel(),
+        scales.data_ptr(),
+        scales.numel(),
+        numel,
+        block_size,
+        code.data_ptr(),
+        out.data_ptr(),
+        out.numel(),
+        nf4._threads(),
+    )
+    if status:
+        raise nf4._sizes_error(
+            "C++ NF4 dequantize kernel", numel, block_size, data=data.numel(), scales=scales.numel()
+        )
+    return True

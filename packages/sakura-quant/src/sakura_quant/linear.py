@@ -17,17 +17,31 @@ in: None (the default) multiplies in the input's dtype; ``torch.bfloat16`` under
 model expands the weight straight to bf16 and casts the input, which on a CPU with
 AVX512-BF16 or AMX (and on any recent GPU) runs the matmuls about twice as fast, at the
 cost of bf16 rounding of the input and the product -- small beside NF4's own error.
+
+Under ``torch.autocast`` the layer behaves as ``nn.Linear`` does there: with no
+``matmul_dtype`` of its own both products run in the autocast dtype, and the output comes back
+in the dtype the products ran in.  A bf16 model (``model.to(torch.bfloat16)`` before
+quantizing, or bf16 activations under autocast) with ``matmul_dtype="bf16"`` therefore runs the
+frozen path in bf16 end to end: the codes expand straight to bf16, the product accumulates in
+fp32 inside the GEMM (oneDNN / AMX on the CPU), and neither the output nor the input's
+gradient is copied to another dtype.
+
+On the CPU the expansion goes into a buffer reused by every layer of the thread (one per
+dtype, the size of the largest weight, about 1.7 MiB in bf16 for SmolLM2-135M) rather than a
+fresh tensor per product: the weight is never kept expanded, and the allocator does not
+page-fault a new multi-megabyte block for each of the two products of every layer.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from sakura_quant.codec import dequantize_weight, encode, quantize_weight
+from sakura_quant.codec import dequantize_into, dequantize_weight, encode, quantize_weight
 from sakura_quant.formats import QuantizedWeight
 from sakura_quant.formats.checks import check_quantized_weight
 from sakura_quant.loftq import fit_error
@@ -48,26 +62,73 @@ def _describe(tensor: Any) -> str:
     return type(tensor).__name__
 
 
+class _ExpansionBuffers(threading.local):
+    """Per thread, one flat CPU buffer per dtype, grown to the largest weight expanded so
+    far: an expansion lives only for the one product that reads it (the products return
+    fresh tensors and save nothing), so every layer can expand into the same memory."""
+
+    def __init__(self) -> None:
+        self.flat: dict[torch.dtype, torch.Tensor] = {}
+
+    def take(self, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+        numel = shape[0] * shape[1]
+        flat = self.flat.get(dtype)
+        if flat is None or flat.numel() < numel:
+            flat = self.flat[dtype] = torch.empty(numel, dtype=dtype)
+        return flat[:numel].view(shape)
+
+
+_BUFFERS = _ExpansionBuffers()
+
+
+def _expanded(layer: QuantizedLinear, dtype: torch.dtype, reuse: bool) -> torch.Tensor:
+    """The layer's weight in ``dtype``: into the thread's reusable buffer on the CPU when
+    ``reuse`` (the caller reads it once and keeps nothing that aliases it), else fresh."""
+    qweight = layer.quantized_weight()
+    if reuse and qweight.tensors["data"].device.type == "cpu":
+        shape = (layer.out_features, layer.in_features)
+        return layer.dequantize_into(_BUFFERS.take(shape, dtype))
+    return dequantize_weight(qweight, dtype)
+
+
 class _DequantizedMatmul(torch.autograd.Function):
     """``x @ W.T`` with ``W`` expanded from its codes in forward and again in backward, both
-    products in the layer's ``matmul_dtype`` (the input's dtype when it has none); the
-    result and the input's gradient are handed back in the input's dtype."""
+    products in ``matmul_dtype``; the result is handed back in ``out_dtype`` and the input's
+    gradient in the input's dtype (no copy when they already match)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        layer: QuantizedLinear,
+        matmul_dtype: torch.dtype,
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:
         ctx.layer = layer
         ctx.input_dtype = x.dtype
-        dtype = layer.matmul_dtype or x.dtype
-        out = F.linear(x.to(dtype), layer.dequantize(dtype))
-        return out.to(x.dtype)
+        ctx.matmul_dtype = matmul_dtype
+        out = F.linear(x.to(matmul_dtype), _expanded(layer, matmul_dtype, reuse=True))
+        return out.to(out_dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None]:
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
         if not ctx.needs_input_grad[0]:
-            return None, None
-        dtype = ctx.layer.matmul_dtype or grad_out.dtype
-        weight = ctx.layer.dequantize(dtype)
-        return grad_out.to(dtype).matmul(weight).to(ctx.input_dtype), None
+            return None, None, None, None
+        # A double backward (create_graph) would save the weight: never the shared buffer then.
+        weight = _expanded(ctx.layer, ctx.matmul_dtype, reuse=not torch.is_grad_enabled())
+        grad_x = grad_out.to(ctx.matmul_dtype).matmul(weight).to(ctx.input_dtype)
+        return grad_x, None, None, None
+
+
+def _product_dtypes(layer: QuantizedLinear, x: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
+    """(the dtype the products run in, the output's dtype): the layer's ``matmul_dtype``, else
+    the autocast dtype where autocast is on (whose output is then the products' dtype, as for
+    ``nn.Linear`` under autocast), else the input's."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = layer.matmul_dtype or torch.get_autocast_dtype(device_type)
+        return dtype, dtype
+    return layer.matmul_dtype or x.dtype, x.dtype
 
 
 class QuantizedLinear(nn.Linear):
@@ -204,8 +265,17 @@ class QuantizedLinear(nn.Linear):
         """The weight expanded to ``dtype`` (default: the dtype it was quantized from)."""
         return dequantize_weight(self.quantized_weight(), dtype)
 
+    def dequantize_into(self, out: torch.Tensor) -> torch.Tensor:
+        """The weight expanded into ``out`` (``(out_features, in_features)``, the wanted dtype),
+        returned: the product paths (this layer's and sakura-kernels' fused LoRA) expand into a
+        reused buffer this way instead of a fresh tensor per product."""
+        return dequantize_into(self.quantized_weight(), out)
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = _DequantizedMatmul.apply(input, self)  # type: ignore[no-untyped-call]
+        matmul_dtype, out_dtype = _product_dtypes(self, input)
+        out: torch.Tensor = _DequantizedMatmul.apply(  # type: ignore[no-untyped-call]
+            input, self, matmul_dtype, out_dtype
+        )
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out
