@@ -39,9 +39,12 @@ _HEAD_ONLY_KWARGS = ("labels", "logits_to_keep")
 
 
 def _is_causal_lm(module: nn.Module) -> bool:
-    if not type(module).__name__.endswith("ForCausalLM"):
-        return False
-    if not type(module).__module__.startswith("transformers"):
+    # Through the MRO: FSDP2's fully_shard swaps the class for a subclass of its own
+    # (FSDPLlamaForCausalLM, defined in torch) that still is the transformers class.
+    if not any(
+        cls.__name__.endswith("ForCausalLM") and cls.__module__.startswith("transformers")
+        for cls in type(module).__mro__
+    ):
         return False
     return isinstance(getattr(module, "base_model", None), nn.Module) and callable(
         getattr(module, "get_output_embeddings", None)
