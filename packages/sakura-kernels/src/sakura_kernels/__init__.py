@@ -27,6 +27,7 @@ _EXPORTS = {
     "patch_model": "sakura_kernels.blocks.patch",
     "unpatch_model": "sakura_kernels.blocks.patch",
     "PatchReport": "sakura_kernels.blocks.patch",
+    "FuseReport": "sakura_kernels.lora",
     "fuse_lora": "sakura_kernels.lora",
     "unfuse_lora": "sakura_kernels.lora",
     "causal_lm_loss": "sakura_kernels.losses.chunked",
