@@ -88,8 +88,12 @@ def peft_then_service(fsdp: bool) -> tuple[nn.Module, Any]:
     return lora, rt
 
 
-def shard(lora: nn.Module, mp: MixedPrecisionPolicy | None = None) -> nn.Module:
-    kwargs: dict[str, Any] = {} if mp is None else {"mp_policy": mp}
+def shard(
+    lora: nn.Module, mp: MixedPrecisionPolicy | None = None, *, reshard: bool = True
+) -> nn.Module:
+    kwargs: dict[str, Any] = {"reshard_after_forward": reshard}
+    if mp is not None:
+        kwargs["mp_policy"] = mp
     for layer in lora.get_base_model().model.layers:
         fully_shard(layer, **kwargs)
     fully_shard(lora, **kwargs)
@@ -174,6 +178,23 @@ def phase_extras(rank: int, world: int, out: Path) -> list[dict[str, Any]]:
     records.append(
         {
             "case": "service",
+            "losses": losses,
+            "ref_losses": ref_losses,
+            "lora": compare(lora_state(model), lora_state(ref)),
+            "local_bytes": local,
+            "ref_bytes": local_quantized_nbytes(ref),
+            "checked": check_sharded(model),
+        }
+    )
+    # The blocks' gathered tensors kept from forward to backward (no reshard in between).
+    ref = qlora("nf4-dq")
+    ref_losses = train(ref, STEPS)
+    model = shard(shardable(qlora("nf4-dq")), reshard=False)
+    local = local_quantized_nbytes(model)
+    losses = train(model, STEPS)
+    records.append(
+        {
+            "case": "no-reshard",
             "losses": losses,
             "ref_losses": ref_losses,
             "lora": compare(lora_state(model), lora_state(ref)),
@@ -310,7 +331,8 @@ def main() -> None:
 # --- the tests (in the pytest process) ------------------------------------------------
 
 HERE = Path(__file__)
-TRAINED = [(world, case) for world in (2, 3) for case in FORMATS] + [(2, "service")]
+EXTRAS = ("service", "no-reshard")  # on 2 ranks only
+TRAINED = [(world, case) for world in (2, 3) for case in FORMATS] + [(2, c) for c in EXTRAS]
 
 
 @pytest.fixture(scope="module")
@@ -336,7 +358,7 @@ def test_lora_after_steps_equals_the_unsharded_run(runs: Path, world: int, case:
     """Every LoRA factor after 4 AdamW steps, gathered, against the same model trained
     unsharded: bit for bit on 2 ranks; on 3 ranks FSDP2 averages three equal gradients
     ((g + g + g) / 3 rounds), so within 1e-6 (the factors are about 0.16)."""
-    phase = "extras" if case == "service" else "train"
+    phase = "extras" if case in EXTRAS else "train"
     for rank_records in records(runs, phase, world):
         r = rank_records[case]
         assert r["checked"] == 14, "every quantized projection is in an FSDP2 group"
@@ -355,7 +377,7 @@ def test_each_rank_holds_its_share_of_the_quantized_base(runs: Path, world: int,
     """Bytes of the codes, scales, double-quant statistics and LoftQ factors, measured from
     each rank's local shards: they add up to the unsharded layers' bytes, and no rank holds
     more than 1/N of them plus FSDP2's rounding of each flat tensor to N chunks (2 %)."""
-    ranks = [r[case] for r in records(runs, "extras" if case == "service" else "train", world)]
+    ranks = [r[case] for r in records(runs, "extras" if case in EXTRAS else "train", world)]
     total = ranks[0]["ref_bytes"]
     assert sum(r["local_bytes"] for r in ranks) == total
     assert all(r["local_bytes"] <= total / world * 1.02 for r in ranks), ranks
