@@ -16,6 +16,7 @@ from sakura_quant import _hf_hook
 if TYPE_CHECKING:
     from sakura_quant.codec import dequantize_weight, quantize_weight
     from sakura_quant.formats import QuantizedWeight
+    from sakura_quant.fsdp import shardable
     from sakura_quant.hf import SakuraQuantConfig
     from sakura_quant.linear import QuantizedLinear
     from sakura_quant.loading import load_model
@@ -34,6 +35,7 @@ _EXPORTS = {
     "SakuraQuantConfig": "sakura_quant.hf",
     "init_lora_from_error": "sakura_quant.loftq",
     "load_model": "sakura_quant.loading",
+    "shardable": "sakura_quant.fsdp",
     "quantize_model": "sakura_quant.quantize",
     "dequantize_weight": "sakura_quant.codec",
     "quantize_weight": "sakura_quant.codec",
@@ -50,6 +52,7 @@ __all__ = [
     "load_model",
     "quantize_model",
     "quantize_weight",
+    "shardable",
 ]
 __version__ = "0.1.0"
 
