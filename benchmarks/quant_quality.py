@@ -25,7 +25,11 @@ Formats (``--formats``, or ``all``): ``none`` (full precision); sakura-quant's
 ``nvfp4-l`` (LoftQ: ``error_rank`` = the LoRA rank, ``--error-iters`` rounds, the adapters
 started by ``init_lora_from_error``), ``nf4-bf16`` (``matmul_dtype="bf16"``: the same NF4
 weights, the frozen matmuls in bf16 -- what the QLoRA step of ``quant_speed.py`` and the
-fine-tuning demo run fastest with); and ``bnb-nf4``: the same weights quantized by
+fine-tuning demo run fastest with); ``nf4-bf16e2e``: the same NF4 codes (quantized from the
+fp32 weights) with everything else of the model in bf16 (embeddings, norms, ``lm_head``), the
+fine-tune and the evaluation under ``torch.autocast("cpu", bf16)`` with PEFT's input casting
+off: the bf16 path end to end of ``qlora_step.py`` (adapters and AdamW in fp32), against
+``nf4`` (the fp32 path); and ``bnb-nf4``: the same weights quantized by
 bitsandbytes' ``quantize_4bit`` and expanded by its ``dequantize_4bit``, which must give
 ``nf4``'s perplexity to the last digit (checked, before and after the fine-tune).
 
@@ -83,6 +87,7 @@ FORMATS = (
     "nf4-k",
     "nf4-l",
     "nf4-bf16",
+    "nf4-bf16e2e",
     "fp8",
     "nvfp4",
     "nvfp4-k",
@@ -90,7 +95,17 @@ FORMATS = (
 )
 # What the issue's targets name: int8, NF4 against bitsandbytes, double quant, keep_precise
 # and LoftQ against plain NF4; and NF4 with bf16 matmuls, the fast QLoRA step's setting.
-TARGET_FORMATS = ("none", "int8", "nf4", "bnb-nf4", "nf4-dq", "nf4-k", "nf4-l", "nf4-bf16")
+TARGET_FORMATS = (
+    "none",
+    "int8",
+    "nf4",
+    "bnb-nf4",
+    "nf4-dq",
+    "nf4-k",
+    "nf4-l",
+    "nf4-bf16",
+    "nf4-bf16e2e",
+)
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LONG = {
     "formats": list(FORMATS),
@@ -260,10 +275,44 @@ def quantize(model: Any, fmt: str, args: argparse.Namespace) -> dict[str, int]:
         kwargs["keep_precise"] = args.keep_precise
     elif option == "l":
         kwargs.update(error_rank=args.rank, error_iters=args.error_iters)
-    elif option == "bf16":
+    elif option in ("bf16", "bf16e2e"):
         kwargs["matmul_dtype"] = "bf16"
     stats: dict[str, int] = quantize_model(model, name, **kwargs)
+    if option == "bf16e2e":
+        rest_to_bf16(model)
     return stats
+
+
+def rest_to_bf16(model: Any) -> None:
+    """Every floating parameter outside the quantized layers in bf16 (their codes and fp32
+    scales stay as they are; buffers such as the rotary frequencies stay fp32)."""
+    import torch
+
+    from sakura_quant import QuantizedLinear
+
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            continue
+        for param in module.parameters(recurse=False):
+            if param.is_floating_point():
+                param.data = param.data.to(torch.bfloat16)
+
+
+def compute_path(lora: Any, fmt: str) -> Any:
+    """The context a format's fine-tune and evaluation run in: bf16 autocast with PEFT's
+    input casting off for ``*-bf16e2e``, nothing for the rest."""
+    import contextlib
+
+    import torch
+
+    if not fmt.endswith("bf16e2e"):
+        return contextlib.nullcontext()
+    from peft.helpers import disable_input_dtype_casting
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(disable_input_dtype_casting(lora))
+    stack.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
+    return stack
 
 
 def with_lora(model: Any, args: argparse.Namespace, seed: int) -> Any:
@@ -319,10 +368,12 @@ def run_model(which: str, args: argparse.Namespace) -> dict[str, Any]:
                 row["kept_precise"] = stats.get("kept_precise", 0)
             lora = with_lora(model, args, seed)
             if seed == args.first_seed:
-                row["before"] = perplexity(lora, eval_tokens, args.windows, args.seq)
+                with compute_path(lora, fmt):
+                    row["before"] = perplexity(lora, eval_tokens, args.windows, args.seq)
             if args.train_steps:
-                finetune(lora, train_tokens, args, seed)
-                row["after"].append(perplexity(lora, eval_tokens, args.windows, args.seq))
+                with compute_path(lora, fmt):
+                    finetune(lora, train_tokens, args, seed)
+                    row["after"].append(perplexity(lora, eval_tokens, args.windows, args.seq))
             del model, lora
         row["seconds"] = time.perf_counter() - started
         rows[fmt] = row
