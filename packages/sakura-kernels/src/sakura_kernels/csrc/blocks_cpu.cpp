@@ -1,0 +1,303 @@
+// Fused decoder-block kernels for the CPU (sakura_kernels.blocks): RMSNorm forward and
+// backward, rotary embedding forward and backward, SwiGLU / GeGLU (gelu tanh) forward and
+// backward.  Plain C ABI, no torch headers (sakura_torch.native.NativeLibrary).
+//
+// Every element is computed in fp32 and rounded once to its storage type (fp32 or bf16,
+// round to nearest even).  The loops are written for the compiler's vectoriser: the build
+// uses -march=native, so they run as AVX-512 where the CPU has it, AVX2 otherwise, scalar
+// elsewhere; bf16 rounding uses AVX-512-BF16's vcvtneps2bf16 where the CPU has it.
+// -ffp-contract=off keeps the compiler from fusing a*b+c: each product rounds as torch's.
+//
+// The RMSNorm weight gradient is summed in a fixed order: rows in fixed blocks of
+// RMS_BLOCK (each block in row order), then the blocks' partial sums in block order, in
+// double.  The same bits every run, whatever the thread count.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t RMS_BLOCK = 32;
+constexpr int BAD_ARGUMENTS = -1;
+
+inline float bf16_to_f32(uint16_t v) {
+    uint32_t bits = static_cast<uint32_t>(v) << 16;
+    float out;
+    std::memcpy(&out, &bits, 4);
+    return out;
+}
+
+inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return static_cast<uint16_t>(bits >> 16);
+}
+
+// Load a row of n elements into fp32 and store fp32 back, per storage type.
+inline void load_row(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * 4); }
+inline void load_row(const uint16_t* src, float* dst, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(src[i]);
+}
+inline void store_row(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * 4); }
+inline void store_row(const float* src, uint16_t* dst, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+    for (; i + 16 <= n; i += 16) {
+        __m256bh packed = _mm512_cvtneps_pbh(_mm512_loadu_ps(src + i));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)packed);
+    }
+#endif
+    for (; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
+}
+
+template <typename T>
+void rmsnorm_forward(const T* x, const T* w, T* y, float* rstd, int64_t rows, int64_t h,
+                     float eps) {
+    std::vector<float> wf(h);
+    load_row(w, wf.data(), h);
+#pragma omp parallel
+    {
+        std::vector<float> row(h), out(h);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; ++r) {
+            load_row(x + r * h, row.data(), h);
+            double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t i = 0; i < h; ++i) sum += static_cast<double>(row[i]) * row[i];
+            const float inv = static_cast<float>(1.0 / std::sqrt(sum / h + eps));
+            rstd[r] = inv;
+#pragma omp simd
+            for (int64_t i = 0; i < h; ++i) out[i] = wf[i] * (row[i] * inv);
+            store_row(out.data(), y + r * h, h);
+        }
+    }
+}
+
+template <typename T>
+void rmsnorm_backward(const T* dy, const T* x, const T* w, const float* rstd, T* dx, float* dw,
+                      int64_t rows, int64_t h) {
+    std::vector<float> wf(h);
+    load_row(w, wf.data(), h);
+    const int64_t blocks = (rows + RMS_BLOCK - 1) / RMS_BLOCK;
+    std::vector<float> partial(static_cast<size_t>(blocks) * h, 0.0f);
+#pragma omp parallel
+    {
+        std::vector<float> xr(h), gr(h), out(h);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; ++b) {
+            float* acc = partial.data() + b * h;
+            const int64_t end = (b + 1) * RMS_BLOCK < rows ? (b + 1) * RMS_BLOCK : rows;
+            for (int64_t r = b * RMS_BLOCK; r < end; ++r) {
+                load_row(x + r * h, xr.data(), h);
+                load_row(dy + r * h, gr.data(), h);
+                const float inv = rstd[r];
+                double dot = 0.0;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t i = 0; i < h; ++i) {
+                    const float xhat = xr[i] * inv;
+                    dot += static_cast<double>(gr[i] * wf[i]) * xhat;
+                    acc[i] += gr[i] * xhat;
+                }
+                const float mean = static_cast<float>(dot / h);
+#pragma omp simd
+                for (int64_t i = 0; i < h; ++i)
+                    out[i] = inv * (gr[i] * wf[i] - (xr[i] * inv) * mean);
+                store_row(out.data(), dx + r * h, h);
+            }
+        }
+    }
+    std::vector<double> total(h, 0.0);
+    for (int64_t b = 0; b < blocks; ++b) {
+        const float* acc = partial.data() + b * h;
+#pragma omp simd
+        for (int64_t i = 0; i < h; ++i) total[i] += acc[i];
+    }
+    for (int64_t i = 0; i < h; ++i) dw[i] = static_cast<float>(total[i]);
+}
+
+// q: (batch, heads, seq, dim) contiguous; cos/sin: (batch, seq, dim) contiguous.
+template <typename T>
+void rope(const T* q, const T* cos, const T* sin, T* out, int64_t batch, int64_t heads,
+          int64_t seq, int64_t dim, bool backward) {
+    const int64_t half = dim / 2;
+    const int64_t rows = batch * heads * seq;
+#pragma omp parallel
+    {
+        std::vector<float> qr(dim), cr(dim), sr(dim), o(dim);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; ++r) {
+            const int64_t b = r / (heads * seq), s = r % seq;
+            load_row(q + r * dim, qr.data(), dim);
+            load_row(cos + (b * seq + s) * dim, cr.data(), dim);
+            load_row(sin + (b * seq + s) * dim, sr.data(), dim);
+            if (!backward) {
+#pragma omp simd
+                for (int64_t i = 0; i < half; ++i) {
+                    o[i] = qr[i] * cr[i] + (-qr[i + half]) * sr[i];
+                    o[i + half] = qr[i + half] * cr[i + half] + qr[i] * sr[i + half];
+                }
+            } else {
+#pragma omp simd
+                for (int64_t i = 0; i < half; ++i) {
+                    o[i] = qr[i] * cr[i] + qr[i + half] * sr[i + half];
+                    o[i + half] = qr[i + half] * cr[i + half] - qr[i] * sr[i];
+                }
+            }
+            store_row(o.data(), out + r * dim, dim);
+        }
+    }
+}
+
+constexpr float GELU_C = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float GELU_K = 0.044715f;
+
+inline float act(float g, int kind) {
+    if (kind == 0) return g / (1.0f + std::exp(-g));
+    const float t = std::tanh(GELU_C * (g + GELU_K * g * g * g));
+    return 0.5f * g * (1.0f + t);
+}
+
+inline float act_grad(float g, int kind) {
+    if (kind == 0) {
+        const float sig = 1.0f / (1.0f + std::exp(-g));
+        return sig * (1.0f + g * (1.0f - sig));
+    }
+    const float t = std::tanh(GELU_C * (g + GELU_K * g * g * g));
+    return 0.5f * (1.0f + t) + 0.5f * g * (1.0f - t * t) * GELU_C * (1.0f + 3.0f * GELU_K * g * g);
+}
+
+constexpr int64_t CHUNK = 1024;
+
+template <typename T>
+void glu_forward(const T* gate, const T* up, T* out, int64_t n, int kind) {
+    const int64_t chunks = (n + CHUNK - 1) / CHUNK;
+#pragma omp parallel
+    {
+        float g[CHUNK], u[CHUNK], o[CHUNK];
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < chunks; ++c) {
+            const int64_t start = c * CHUNK, len = n - start < CHUNK ? n - start : CHUNK;
+            load_row(gate + start, g, len);
+            load_row(up + start, u, len);
+            for (int64_t i = 0; i < len; ++i) o[i] = act(g[i], kind) * u[i];
+            store_row(o, out + start, len);
+        }
+    }
+}
+
+template <typename T>
+void glu_backward(const T* grad, const T* gate, const T* up, T* dgate, T* dup, int64_t n,
+                  int kind) {
+    const int64_t chunks = (n + CHUNK - 1) / CHUNK;
+#pragma omp parallel
+    {
+        float d[CHUNK], g[CHUNK], u[CHUNK], dg[CHUNK], du[CHUNK];
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < chunks; ++c) {
+            const int64_t start = c * CHUNK, len = n - start < CHUNK ? n - start : CHUNK;
+            load_row(grad + start, d, len);
+            load_row(gate + start, g, len);
+            load_row(up + start, u, len);
+            for (int64_t i = 0; i < len; ++i) {
+                dg[i] = d[i] * u[i] * act_grad(g[i], kind);
+                du[i] = d[i] * act(g[i], kind);
+            }
+            store_row(dg, dgate + start, len);
+            store_row(du, dup + start, len);
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+int sakura_kernels_blocks_abi_version(void) { return 1; }
+
+// dtype: 0 = fp32, 1 = bf16.  Returns 0, or -1 when an argument is out of range.
+int sakura_blocks_rmsnorm_forward(int dtype, const void* x, const void* w, void* y, float* rstd,
+                                  int64_t rows, int64_t h, float eps) {
+    if (rows < 0 || h <= 0 || !(eps >= 0.0f)) return BAD_ARGUMENTS;
+    if (dtype == 0)
+        rmsnorm_forward(static_cast<const float*>(x), static_cast<const float*>(w),
+                        static_cast<float*>(y), rstd, rows, h, eps);
+    else if (dtype == 1)
+        rmsnorm_forward(static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(w),
+                        static_cast<uint16_t*>(y), rstd, rows, h, eps);
+    else
+        return BAD_ARGUMENTS;
+    return 0;
+}
+
+int sakura_blocks_rmsnorm_backward(int dtype, const void* dy, const void* x, const void* w,
+                                   const float* rstd, void* dx, float* dw, int64_t rows,
+                                   int64_t h) {
+    if (rows < 0 || h <= 0) return BAD_ARGUMENTS;
+    if (dtype == 0)
+        rmsnorm_backward(static_cast<const float*>(dy), static_cast<const float*>(x),
+                         static_cast<const float*>(w), rstd, static_cast<float*>(dx), dw, rows,
+                         h);
+    else if (dtype == 1)
+        rmsnorm_backward(static_cast<const uint16_t*>(dy), static_cast<const uint16_t*>(x),
+                         static_cast<const uint16_t*>(w), rstd, static_cast<uint16_t*>(dx), dw,
+                         rows, h);
+    else
+        return BAD_ARGUMENTS;
+    return 0;
+}
+
+int sakura_blocks_rope(int dtype, const void* q, const void* cos, const void* sin, void* out,
+                       int64_t batch, int64_t heads, int64_t seq, int64_t dim, int backward) {
+    if (batch < 0 || heads < 0 || seq < 0 || dim <= 0 || dim % 2 != 0) return BAD_ARGUMENTS;
+    if (dtype == 0)
+        rope(static_cast<const float*>(q), static_cast<const float*>(cos),
+             static_cast<const float*>(sin), static_cast<float*>(out), batch, heads, seq, dim,
+             backward != 0);
+    else if (dtype == 1)
+        rope(static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(cos),
+             static_cast<const uint16_t*>(sin), static_cast<uint16_t*>(out), batch, heads, seq,
+             dim, backward != 0);
+    else
+        return BAD_ARGUMENTS;
+    return 0;
+}
+
+// kind: 0 = SwiGLU (silu), 1 = GeGLU (gelu, tanh approximation).
+int sakura_blocks_glu_forward(int dtype, int kind, const void* gate, const void* up, void* out,
+                              int64_t n) {
+    if (n < 0 || kind < 0 || kind > 1) return BAD_ARGUMENTS;
+    if (dtype == 0)
+        glu_forward(static_cast<const float*>(gate), static_cast<const float*>(up),
+                    static_cast<float*>(out), n, kind);
+    else if (dtype == 1)
+        glu_forward(static_cast<const uint16_t*>(gate), static_cast<const uint16_t*>(up),
+                    static_cast<uint16_t*>(out), n, kind);
+    else
+        return BAD_ARGUMENTS;
+    return 0;
+}
+
+int sakura_blocks_glu_backward(int dtype, int kind, const void* grad, const void* gate,
+                               const void* up, void* dgate, void* dup, int64_t n) {
+    if (n < 0 || kind < 0 || kind > 1) return BAD_ARGUMENTS;
+    if (dtype == 0)
+        glu_backward(static_cast<const float*>(grad), static_cast<const float*>(gate),
+                     static_cast<const float*>(up), static_cast<float*>(dgate),
+                     static_cast<float*>(dup), n, kind);
+    else if (dtype == 1)
+        glu_backward(static_cast<const uint16_t*>(grad), static_cast<const uint16_t*>(gate),
+                     static_cast<const uint16_t*>(up), static_cast<uint16_t*>(dgate),
+                     static_cast<uint16_t*>(dup), n, kind);
+    else
+        return BAD_ARGUMENTS;
+    return 0;
+}
+
+}  // extern "C"
