@@ -144,6 +144,49 @@ def test_gradient_accumulation_moves_the_weights_before_the_next_forward() -> No
     paging.remove()
 
 
+def test_replan_shrinks_the_base_by_a_fit_choice_when_streaming_cannot_help() -> None:
+    """prefetch=2 keeps every block on the device: only a quantized base (int8, the
+    cheapest option) holds the measured activations.  The first step ran on the fp32 base;
+    by hand: one step, then quantize_model, then the rest."""
+    pytest.importorskip("sakura_quant")
+    import sakura_quant
+
+    budget = find(plans(prefetch=2), "host", "resident").device_bytes + 1000
+    model = lora_llama()
+    model, optimizer = sakura_offload.wrap(
+        model, adamw(model), device_budget=budget, host_budget=HUGE, activation_reserve=0,
+        prefetch=2, cost_trials=0, choices="quantize_base",
+    )  # fmt: skip
+    assert model.sakura_fit.plan.option is None
+    losses = train(model, optimizer)
+    state = model.sakura_fit
+    plan = state.plan
+    assert plan.option is not None and plan.option.label == "quantize_base:int8"
+    assert (plan.optimizer, plan.weights) == ("host", "resident")
+    assert plan.device_bytes + LEAST <= budget
+    assert [r.what for r in state.replans] == ["activations"]
+    assert state.choice is not None
+    assert any(type(m).__name__ == "QuantizedLinear" for m in model.modules())
+    result = trained(model)
+    sakura_offload.unwrap(model)
+
+    expected = lora_llama()
+    optimizer = sakura_offload.OffloadAdamW.from_optimizer(adamw(expected), moment_dtype="float32")
+    g = torch.Generator().manual_seed(3)
+    by_hand_losses = []
+    for step in range(STEPS):
+        if step == 1:
+            sakura_quant.quantize_model(expected, "int8", targets=plan.option.detail["targets"])
+        ids = torch.randint(0, 61, (2, 12), generator=g)
+        loss = expected(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        by_hand_losses.append(loss.item())
+    assert losses == by_hand_losses
+    assert_same(result, trained(expected))
+
+
 def test_no_plan_holds_the_measured_activations_names_the_smallest_budget() -> None:
     # prefetch=2: streaming keeps all three blocks on the device, nothing to gain
     ladder = plans(prefetch=2)

@@ -17,8 +17,10 @@ Two measurements can show the plan too optimistic:
 
 Then ``fit`` re-plans once: the first plan of the ladder (frozen weights resident, streamed
 from host RAM, streamed from disk) that holds the measured figures, with the optimizer where
-it is (the loop holds it: it cannot be swapped under a running loop) and the fit choice as
-it is (the first forward already ran on the weights as they are).  The activation planner
+it is (the loop holds it: it cannot be swapped under a running loop); when none does and the
+base is not shrunk yet, the same ladder with the base shrunk by a fit choice, cheapest option
+first (a quantized base: the first step ran on the weights as they were, the next ones run
+on the shrunk base).  The activation planner
 gets what the new plan leaves of the device budget.  The weights move at a safe point: after
 the optimizer step, or before the next forward if that comes first (gradient
 accumulation).  The change is logged once (WARNING, logger ``sakura_offload.fit``) and kept
@@ -31,11 +33,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sakura_offload.fit.choices import FitChoice, FitOption
 from sakura_offload.fit.decide import WEIGHT_PLACES, FitError, FitPlan, ModelSizes, candidates
 
 if TYPE_CHECKING:
@@ -99,8 +103,15 @@ class Replanner:
     """Watches the first step of a model ``fit`` prepared and re-plans once (module
     docstring).  ``options``: ``fit``'s checked options."""
 
-    def __init__(self, model: Any, state: FitState, options: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        model: Any,
+        state: FitState,
+        options: dict[str, Any],
+        choices: Mapping[str, FitChoice] | None = None,
+    ) -> None:
         self.model = model
+        self.choices = dict(choices or {})
         self.state = state
         self.options = options
         self.enabled: bool = bool(options.get("replan", True))
@@ -216,6 +227,9 @@ class Replanner:
         # the reserve was the estimate for the activations: the measured figure replaces it
         measured_budgets = dataclasses.replace(budgets, activation_reserve=0)
         tried = candidates(sizes, measured_budgets, plan.option, ladder)
+        if plan.option is None:  # then the base shrunk by a fit choice, cheapest first
+            for option in self._options(sizes):
+                tried += candidates(sizes.shrunk(option), measured_budgets, option, ladder)
         for candidate in tried:
             if (
                 candidate.device_bytes + activations <= device
@@ -234,11 +248,25 @@ class Replanner:
         raise FitError(
             f"fit: the measured first step does not fit device_budget={device} bytes under "
             f"any plan that keeps the optimizer on the {plan.optimizer}"
-            + ("" if plan.option is None else f" and the base as {plan.option.label}")
+            + (
+                f" (fit choices tried: {', '.join(sorted(self.choices)) or 'none'})"
+                if plan.option is None
+                else f" and the base as {plan.option.label}"
+            )
             + f" ({what}: {measured} bytes measured); device_budget >= {least} bytes would fit",
             budget=device,
             minimum=least,
         )
+
+    def _options(self, sizes: ModelSizes) -> list[FitOption]:
+        """What the fit choices offer for the model as it is now (sized from shapes, so a
+        streamed model is estimated too), cheapest first."""
+        device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        offered: list[FitOption] = []
+        for choice in self.choices.values():
+            if choice.applies(self.model):
+                offered.extend(choice.estimate(self.model, blocks=sizes.block_names, device=device))
+        return sorted(offered, key=lambda o: (o.cost, -o.bytes_saved))
 
     def _switch(self, new: FitPlan) -> None:
         """Move the frozen weights to where ``new`` puts them."""
@@ -251,6 +279,10 @@ class Replanner:
         if state.paging is not None:
             state.paging.remove()
             state.paging = None
+        if new.option is not None and state.choice is None:  # every weight is back here
+            choice = self.choices[new.option.choice]
+            choice.apply(self.model, new.option)
+            state.choice = choice
         if new.weights != "resident":
             disk = self.options["disk_offload"]
             state.paging = WeightPaging(

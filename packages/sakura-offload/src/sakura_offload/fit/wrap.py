@@ -363,7 +363,7 @@ def _apply_parts(
         planner.attach(model)
         state.planner = planner
     if options["replan"] and budgets.device is not None:  # nothing to hold without a limit
-        replanner = parts.replanner = Replanner(model, state, options)
+        replanner = parts.replanner = Replanner(model, state, options, choices)
         replanner.attach(optimizer)
         state.replanner = replanner
         if planner is not None:
