@@ -94,17 +94,18 @@ def test_a_quantized_base_streams_bit_identically(fmt: str) -> None:
     assert codes.data_ptr() == host.data_ptr()  # between passes the buffer is the host copy
 
     # Every expansion of the weight (forward, and backward's again) reads device copies.
+    # (quantized_weight() is what every expansion reads the stored tensors through.)
     seen: list[int] = []
     quantized = layer.self_attn.q_proj.base_layer
-    expand = quantized.dequantize
+    read = quantized.quantized_weight
 
-    def dequantize(dtype: Any = None) -> torch.Tensor:
+    def quantized_weight() -> Any:
         seen.append(quantized.weight.data_ptr())
-        return expand(dtype)
+        return read()
 
-    quantized.dequantize = dequantize
+    quantized.quantized_weight = quantized_weight
     got, want = train(paged), train(base)
-    assert len(seen) == 3 * 2 and host.data_ptr() not in seen
+    assert len(seen) >= 3 * 2 and host.data_ptr() not in seen  # (each expansion reads)
     assert len(got) == len(want) == 3 * (2 + 4 * LAYERS)
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
