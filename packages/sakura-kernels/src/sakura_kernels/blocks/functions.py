@@ -3,7 +3,7 @@ MLP activations (SwiGLU, GeGLU with gelu's tanh approximation).
 
 Each computes in fp32 and rounds once to the input's dtype.  On the CPU, fp32 and bf16
 contiguous tensors go through the C++ kernels (:mod:`sakura_kernels.blocks._native`); any
-other case (fp16, another device, the kernels disabled with ``SAKURA_KERNELS_NO_KERNEL=1``
+other case (fp16, a device without the CUDA kernels, the kernels disabled with ``SAKURA_KERNELS_NO_KERNEL=1``
 or not buildable) runs the torch path below, which computes the same formulas.
 
 * RMSNorm keeps its input and the per-row ``1/rms`` (fp32) for backward; its weight
@@ -13,6 +13,9 @@ or not buildable) runs the torch path below, which computes the same formulas.
   rotation); it gives no gradient to ``cos`` / ``sin`` (Hugging Face computes them under
   ``no_grad``; the patch checks they need none).
 * The gated activation keeps only its two inputs.
+
+On a CUDA device the same operations run as the CUDA kernels of ``csrc/blocks_cuda.cu``
+(same formulas, fixed-order sums), when they can be built there.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 
 import torch
 
-from sakura_kernels.blocks._native import BAD_ARGUMENTS, CPU_LIBRARY
+from sakura_kernels.blocks._native import BAD_ARGUMENTS, CPU_LIBRARY, CUDA_LIBRARY
 
 __all__ = [
     "ACTIVATIONS",
@@ -51,6 +54,25 @@ def _native(*tensors: torch.Tensor) -> Any:
     return CPU_LIBRARY.load()
 
 
+def _cuda(*tensors: torch.Tensor) -> tuple[Any, int]:
+    """The CUDA library and the current stream when every tensor suits it (one CUDA device,
+    fp32 or bf16, all one dtype), else (None, 0)."""
+    first = tensors[0]
+    if first.device.type != "cuda" or first.dtype not in _CODES:
+        return None, 0
+    if any(t.device != first.device or t.dtype != first.dtype for t in tensors):
+        return None, 0
+    lib = CUDA_LIBRARY.load()
+    if lib is None:
+        return None, 0
+    return lib, int(torch.cuda.current_stream(first.device).cuda_stream)
+
+
+def _check_cuda(status: int, what: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"sakura-kernels: the CUDA {what} kernel failed (status {status})")
+
+
 def _check(status: int, what: str) -> None:
     if status == BAD_ARGUMENTS:
         raise RuntimeError(f"sakura-kernels: the C++ {what} kernel refused its arguments")
@@ -77,7 +99,18 @@ class FusedRMSNorm(torch.autograd.Function):
         x2 = x.reshape(-1, shape[-1]).contiguous()
         w = weight.to(x.dtype).contiguous() if weight.dtype != x.dtype else weight.contiguous()
         lib = _native(x2, w)
-        if lib is not None:
+        cuda, stream = _cuda(x2, w)
+        if cuda is not None:
+            y = torch.empty_like(x2)
+            rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x2.device)
+            _check_cuda(
+                cuda.sakura_blocks_rmsnorm_forward_cuda(
+                    _CODES[x.dtype], x2.data_ptr(), w.data_ptr(), y.data_ptr(),
+                    rstd.data_ptr(), x2.shape[0], x2.shape[1], float(eps), stream,
+                ),
+                "RMSNorm forward",
+            )  # fmt: skip
+        elif lib is not None:
             y = torch.empty_like(x2)
             rstd = torch.empty(x2.shape[0], dtype=torch.float32)
             _check(
@@ -101,7 +134,21 @@ class FusedRMSNorm(torch.autograd.Function):
         x2, w, rstd = ctx.saved_tensors
         g = grad.reshape(-1, x2.shape[1]).to(x2.dtype).contiguous()
         lib = _native(g, x2, w)
-        if lib is not None:
+        cuda, stream = _cuda(g, x2, w)
+        if cuda is not None:
+            dx = torch.empty_like(x2)
+            dw = torch.empty(x2.shape[1], dtype=torch.float32, device=x2.device)
+            blocks = max(1, -(-x2.shape[0] // RMS_BLOCK))
+            partial = torch.empty(blocks, x2.shape[1], dtype=torch.float32, device=x2.device)
+            _check_cuda(
+                cuda.sakura_blocks_rmsnorm_backward_cuda(
+                    _CODES[x2.dtype], g.data_ptr(), x2.data_ptr(), w.data_ptr(),
+                    rstd.data_ptr(), dx.data_ptr(), dw.data_ptr(), partial.data_ptr(),
+                    x2.shape[0], x2.shape[1], stream,
+                ),
+                "RMSNorm backward",
+            )  # fmt: skip
+        elif lib is not None:
             dx = torch.empty_like(x2)
             dw = torch.empty(x2.shape[1], dtype=torch.float32)
             _check(
@@ -129,6 +176,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def _rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
     """q: (batch, heads, seq, dim); cos/sin: (batch, seq, dim), q's dtype, contiguous."""
     lib = _native(q, cos, sin)
+    cuda, stream = _cuda(q, cos, sin)
+    if cuda is not None:
+        out = torch.empty_like(q)
+        b, h, s, d = q.shape
+        _check_cuda(
+            cuda.sakura_blocks_rope_cuda(
+                _CODES[q.dtype], q.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+                b, h, s, d, int(backward), stream,
+            ),
+            "rotary embedding",
+        )  # fmt: skip
+        return out
     if lib is not None:
         out = torch.empty_like(q)
         b, h, s, d = q.shape
@@ -179,7 +238,17 @@ class FusedGLU(torch.autograd.Function):
     def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor, kind: int) -> torch.Tensor:
         gate, up = gate.contiguous(), up.to(gate.dtype).contiguous()
         lib = _native(gate, up)
-        if lib is not None:
+        cuda, stream = _cuda(gate, up)
+        if cuda is not None:
+            out = torch.empty_like(gate)
+            _check_cuda(
+                cuda.sakura_blocks_glu_forward_cuda(
+                    _CODES[gate.dtype], kind, gate.data_ptr(), up.data_ptr(), out.data_ptr(),
+                    gate.numel(), stream,
+                ),
+                "gated activation forward",
+            )  # fmt: skip
+        elif lib is not None:
             out = torch.empty_like(gate)
             _check(
                 lib.sakura_blocks_glu_forward(
@@ -200,6 +269,17 @@ class FusedGLU(torch.autograd.Function):
         kind = ctx.kind
         g = grad.to(gate.dtype).contiguous()
         lib = _native(g, gate, up)
+        cuda, stream = _cuda(g, gate, up)
+        if cuda is not None:
+            dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+            _check_cuda(
+                cuda.sakura_blocks_glu_backward_cuda(
+                    _CODES[gate.dtype], kind, g.data_ptr(), gate.data_ptr(), up.data_ptr(),
+                    dgate.data_ptr(), dup.data_ptr(), gate.numel(), stream,
+                ),
+                "gated activation backward",
+            )  # fmt: skip
+            return dgate, dup, None
         if lib is not None:
             dgate, dup = torch.empty_like(gate), torch.empty_like(up)
             _check(
