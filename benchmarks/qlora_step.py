@@ -58,6 +58,26 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+
+def _load_helpers() -> None:
+    """Load this folder's ``_common`` / ``_smollm2`` by path and keep the folder off
+    ``sys.path``: a ``kernels.py`` beside this script would otherwise shadow the ``kernels``
+    module that transformers and bitsandbytes probe for (a circular import at best)."""
+    import importlib.util
+
+    here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
+    for name in ("_common", "_smollm2"):
+        if name not in sys.modules:
+            spec = importlib.util.spec_from_file_location(name, here / f"{name}.py")
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+
+
+_load_helpers()
+
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SIDES = ("bnb", "sakura", "gemm")
 FLAGS = ("autocast", "gc", "kernels", "fuse")
@@ -70,18 +90,17 @@ VALUED = {
 DEFAULT_VARIANTS = (
     "gemm",
     "bnb",
-    "bnb:autocast",
     "bnb:autocast,attn=eager",
     "bnb:autocast,attn=eager,storage=bf16",
-    "bnb:autocast,attn=eager,gc",
-    "sakura:weights=fp32",
     "sakura",
     "sakura:autocast,attn=eager",
     "sakura:autocast,attn=eager,chunked",
-    "sakura:autocast,attn=eager,kernels",
     "sakura:autocast,attn=eager,fuse",
+    "sakura:autocast,attn=eager,fuse,chunked",
     "sakura:autocast,attn=eager,kernels,fuse,chunked",
 )
+"""Each variant holds about 1-2 GiB while the others run: add ``gc``, ``weights=fp32`` or
+``attn=sdpa`` variants through ``--variants`` where memory allows."""
 
 
 def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
@@ -438,7 +457,6 @@ def main() -> None:
         spec, folder, ids, threads, shapes = args.child
         child(spec, folder, ids, int(threads), shapes)
         return
-    sys.path.insert(0, str(Path(__file__).parent))
     from _common import write_json
     from _smollm2 import INSTALL_HINT, gguf_folder
 

@@ -61,12 +61,33 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
-from _common import write_json
-from _smollm2 import INSTALL_HINT, gguf_folder, stdlib_text
 
-from sakura_bench.measure import load_average, load_note, machine_note, summary
+def _load_helpers() -> None:
+    """Load this folder's ``_common`` / ``_smollm2`` by path and keep the folder off
+    ``sys.path``: a ``kernels.py`` beside this script would otherwise shadow the ``kernels``
+    module that transformers and bitsandbytes probe for (a circular import at best)."""
+    import importlib.util
+
+    here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
+    for name in ("_common", "_smollm2"):
+        if name not in sys.modules:
+            spec = importlib.util.spec_from_file_location(name, here / f"{name}.py")
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+
+
+_load_helpers()
+
+from _common import write_json  # noqa: E402
+from _smollm2 import INSTALL_HINT, gguf_folder, stdlib_text  # noqa: E402
+
+from sakura_bench.measure import load_average, load_note, machine_note, summary  # noqa: E402
 
 EVAL_MODULES = ("json/decoder.py", "textwrap.py", "heapq.py", "bisect.py", "shlex.py")
 TRAIN_MODULES = ("csv.py", "fnmatch.py", "glob.py", "colorsys.py", "calendar.py")
@@ -226,7 +247,7 @@ def train_tiny(args: argparse.Namespace) -> tuple[Any, Any, Any, str]:
     return model, byte_tokens(EVAL_MODULES), byte_tokens(TRAIN_MODULES), desc
 
 
-def perplexity(model: Any, tokens: Any, windows: int, seq: int) -> float:
+def perplexity(model: Any, tokens: Any, windows: int, seq: int, fmt: str = "") -> float:
     import torch
 
     total, count = 0.0, 0
@@ -234,7 +255,8 @@ def perplexity(model: Any, tokens: Any, windows: int, seq: int) -> float:
     with torch.no_grad():
         for w in range(windows):
             ids = tokens[w * seq : (w + 1) * seq].unsqueeze(0)
-            loss = model(input_ids=ids, labels=ids).loss
+            with forward_autocast(fmt):
+                loss = model(input_ids=ids, labels=ids).loss
             total += loss.item() * (ids.shape[1] - 1)
             count += ids.shape[1] - 1
     return math.exp(total / count)
@@ -299,20 +321,26 @@ def rest_to_bf16(model: Any) -> None:
 
 
 def compute_path(lora: Any, fmt: str) -> Any:
-    """The context a format's fine-tune and evaluation run in: bf16 autocast with PEFT's
-    input casting off for ``*-bf16e2e``, nothing for the rest."""
+    """The context a format's fine-tune and evaluation run in: PEFT's input casting off for
+    ``*-bf16e2e`` (each forward then runs under :func:`forward_autocast`), nothing for the
+    rest."""
     import contextlib
-
-    import torch
 
     if not fmt.endswith("bf16e2e"):
         return contextlib.nullcontext()
     from peft.helpers import disable_input_dtype_casting
 
-    stack = contextlib.ExitStack()
-    stack.enter_context(disable_input_dtype_casting(lora))
-    stack.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
-    return stack
+    return disable_input_dtype_casting(lora)
+
+
+def forward_autocast(fmt: str) -> Any:
+    """bf16 autocast around one forward for ``*-bf16e2e``.  Entered per forward, never
+    around several steps: autocast caches its bf16 copies of the adapter weights until the
+    outermost autocast region exits, so a region spanning optimizer steps would keep
+    multiplying with the weights of its first forward."""
+    import torch
+
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=fmt.endswith("bf16e2e"))
 
 
 def with_lora(model: Any, args: argparse.Namespace, seed: int) -> Any:
@@ -328,7 +356,7 @@ def with_lora(model: Any, args: argparse.Namespace, seed: int) -> Any:
     return lora
 
 
-def finetune(lora: Any, tokens: Any, args: argparse.Namespace, seed: int) -> None:
+def finetune(lora: Any, tokens: Any, args: argparse.Namespace, seed: int, fmt: str = "") -> None:
     import torch
 
     params = [p for p in lora.parameters() if p.requires_grad]
@@ -339,7 +367,8 @@ def finetune(lora: Any, tokens: Any, args: argparse.Namespace, seed: int) -> Non
     for _ in range(args.train_steps):
         starts = torch.randint(0, span, (args.batch,), generator=gen)
         ids = torch.stack([tokens[s : s + args.seq] for s in starts.tolist()])
-        loss = lora(input_ids=ids, labels=ids).loss
+        with forward_autocast(fmt):
+            loss = lora(input_ids=ids, labels=ids).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -369,11 +398,11 @@ def run_model(which: str, args: argparse.Namespace) -> dict[str, Any]:
             lora = with_lora(model, args, seed)
             if seed == args.first_seed:
                 with compute_path(lora, fmt):
-                    row["before"] = perplexity(lora, eval_tokens, args.windows, args.seq)
+                    row["before"] = perplexity(lora, eval_tokens, args.windows, args.seq, fmt)
             if args.train_steps:
                 with compute_path(lora, fmt):
-                    finetune(lora, train_tokens, args, seed)
-                    row["after"].append(perplexity(lora, eval_tokens, args.windows, args.seq))
+                    finetune(lora, train_tokens, args, seed, fmt)
+                    row["after"].append(perplexity(lora, eval_tokens, args.windows, args.seq, fmt))
             del model, lora
         row["seconds"] = time.perf_counter() - started
         rows[fmt] = row
