@@ -180,3 +180,21 @@ def test_kernels_option_is_validated(make_model: Callable[..., torch.nn.Module])
     report = patch_model(model, kernels="rms_norm")
     assert {k for _, k in report.patched} == {"rms_norm"}
     unpatch_model(model)
+
+
+def test_patched_model_under_gradient_checkpointing(
+    make_model: Callable[..., torch.nn.Module],
+) -> None:
+    reference = make_model("llama")
+    model = copy.deepcopy(reference)
+    for m in (reference, model):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.train()
+    report = patch_model(model)
+    assert report.count("rotary") == 2 and report.count("rms_norm") == 5
+    ref_loss, ref_grads = loss_and_grads(reference)
+    loss, grads = loss_and_grads(model)
+    assert abs(loss - ref_loss) <= 2e-5 * abs(ref_loss)
+    for name, grad in ref_grads.items():
+        assert rel(grads[name], grad) <= 2e-5, name
+    unpatch_model(model)
