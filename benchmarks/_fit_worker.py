@@ -134,8 +134,14 @@ def apply_by_hand(model: Any, optimizer: Any, spec: dict[str, Any]) -> tuple[Any
             disk=True,
             directory=spec["directory"],
         )
+        # It decides after its measuring forward only when someone listens (as fit does).
+        planner.on_planned = _planned
         planner.attach(model)
     return optimizer, paging, planner
+
+
+def _planned(plan: Any) -> None:
+    """The hand-made planner's listener: it decides at the first training forward."""
 
 
 def _hand_name(plan: Any) -> str:
