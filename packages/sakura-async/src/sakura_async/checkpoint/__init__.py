@@ -1,10 +1,17 @@
 """Asynchronous, atomic checkpoints: the :class:`AsyncCheckpoint` service and the on-disk
-store (:func:`write_checkpoint`, :func:`load_latest`, :func:`load_best`,
+store, and :class:`ShardedCheckpoint` (FSDP2 / DTensor state written with
+torch.distributed.checkpoint) (:func:`write_checkpoint`, :func:`load_latest`, :func:`load_best`,
 :func:`find_checkpoints`)."""
 
 from __future__ import annotations
 
 from sakura_async.checkpoint.service import AsyncCheckpoint, parse_every
+from sakura_async.checkpoint.sharded import (
+    ShardedCheckpoint,
+    find_sharded,
+    is_sharded,
+    load_sharded,
+)
 from sakura_async.checkpoint.store import (
     Checkpoint,
     find_checkpoints,
@@ -17,9 +24,13 @@ from sakura_async.checkpoint.store import (
 __all__ = [
     "AsyncCheckpoint",
     "Checkpoint",
+    "ShardedCheckpoint",
     "find_checkpoints",
+    "find_sharded",
+    "is_sharded",
     "load_best",
     "load_latest",
+    "load_sharded",
     "parse_every",
     "verify",
     "write_checkpoint",
