@@ -29,7 +29,8 @@ fine-tuning demo run fastest with); ``nf4-bf16e2e``: the same NF4 codes (quantiz
 fp32 weights) with everything else of the model in bf16 (embeddings, norms, ``lm_head``), the
 fine-tune and the evaluation under ``torch.autocast("cpu", bf16)`` with PEFT's input casting
 off: the bf16 path end to end of ``qlora_step.py`` (adapters and AdamW in fp32), against
-``nf4`` (the fp32 path); and ``bnb-nf4``: the same weights quantized by
+``nf4`` (the fp32 path); ``nf4-bf16ac``: the same with the model left in fp32 (the residual
+stream, norms and embeddings fp32; every matmul bf16 under autocast); and ``bnb-nf4``: the same weights quantized by
 bitsandbytes' ``quantize_4bit`` and expanded by its ``dequantize_4bit``, which must give
 ``nf4``'s perplexity to the last digit (checked, before and after the fine-tune).
 
@@ -109,6 +110,7 @@ FORMATS = (
     "nf4-l",
     "nf4-bf16",
     "nf4-bf16e2e",
+    "nf4-bf16ac",
     "fp8",
     "nvfp4",
     "nvfp4-k",
@@ -297,7 +299,7 @@ def quantize(model: Any, fmt: str, args: argparse.Namespace) -> dict[str, int]:
         kwargs["keep_precise"] = args.keep_precise
     elif option == "l":
         kwargs.update(error_rank=args.rank, error_iters=args.error_iters)
-    elif option in ("bf16", "bf16e2e"):
+    elif option in ("bf16", "bf16e2e", "bf16ac"):
         kwargs["matmul_dtype"] = "bf16"
     stats: dict[str, int] = quantize_model(model, name, **kwargs)
     if option == "bf16e2e":
@@ -320,13 +322,17 @@ def rest_to_bf16(model: Any) -> None:
                 param.data = param.data.to(torch.bfloat16)
 
 
+AUTOCAST_FORMATS = ("bf16e2e", "bf16ac")
+"""Formats whose fine-tune and evaluation run under bf16 autocast with PEFT's casting off."""
+
+
 def compute_path(lora: Any, fmt: str) -> Any:
     """The context a format's fine-tune and evaluation run in: PEFT's input casting off for
     ``*-bf16e2e`` (each forward then runs under :func:`forward_autocast`), nothing for the
     rest."""
     import contextlib
 
-    if not fmt.endswith("bf16e2e"):
+    if not fmt.endswith(AUTOCAST_FORMATS):
         return contextlib.nullcontext()
     from peft.helpers import disable_input_dtype_casting
 
@@ -340,7 +346,7 @@ def forward_autocast(fmt: str) -> Any:
     multiplying with the weights of its first forward."""
     import torch
 
-    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=fmt.endswith("bf16e2e"))
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=fmt.endswith(AUTOCAST_FORMATS))
 
 
 def with_lora(model: Any, args: argparse.Namespace, seed: int) -> Any:
