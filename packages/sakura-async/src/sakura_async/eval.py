@@ -12,6 +12,18 @@ to its dispatcher and returns; the next epoch trains while the evaluation runs.
           with torch.no_grad():
               return {"val_loss": F.mse_loss(model(payload["x"]), payload["y"]).item()}
 
+A sharded model (FSDP2's ``fully_shard``: DTensor parameters) in the task form is
+evaluated from a **full-state snapshot**: at the epoch end every rank enters
+:func:`full_model_state` (``get_model_state_dict(full_state_dict=True,
+cpu_offload=True)``, one all-gather per parameter on the training thread, the same stall
+as a synchronous ``state_dict`` gather), rank 0 copies it into the snapshot buffers and
+``eval_fn`` loads it into an ordinary, unsharded model in the worker.  We gather rather
+than evaluate sharded because a sharded evaluation would run FSDP's collectives from the
+worker thread concurrently with the training's on the same process group (not safe on
+gloo, and it would hold back every rank's next step), and because ``eval_fn`` then sees
+the same plain ``state_dict`` as for an unsharded model.  The gathered model must fit in
+rank 0's host memory.
+
 * **task** (``pass_task=True``, or ``eval_fn`` annotated to take an :class:`EvalTask`):
   on the training thread the service first copies the model's ``state_dict`` into
   reusable host buffers (:mod:`sakura_async.snapshot`); ``eval_fn(epoch, task)`` gets
@@ -54,16 +66,36 @@ from sakura.errors import add_note
 from sakura.options import check_choice, check_int, option_error
 from sakura.runtime import SakuraRuntime
 from sakura_async._model import unwrap_model
+from sakura_async.checkpoint.sharded import is_sharded
 from sakura_async.dispatch.base import Dispatcher, TaskFuture
 from sakura_async.dispatch.resolve import DispatcherSlot
 from sakura_async.reporting import Reporter, check_report_to, make_reporter
 from sakura_async.snapshot import Snapshot, SnapshotPool
 
-__all__ = ["AsyncEval", "EvalResult", "EvalTask", "declares_task", "run_eval"]
+__all__ = [
+    "AsyncEval",
+    "EvalResult",
+    "EvalTask",
+    "declares_task",
+    "full_model_state",
+    "run_eval",
+]
 
 logger = logging.getLogger("sakura.async")
 
 _OWNER = "AsyncEval"
+
+
+def full_model_state(model: Any, *, every_rank: bool) -> dict[str, Any]:
+    """The full (unsharded) ``state_dict`` of an FSDP2 / DTensor ``model``, gathered with
+    :func:`torch.distributed.checkpoint.state_dict.get_model_state_dict` — a collective
+    that every rank must enter at the same step boundary.  With ``every_rank=False`` only
+    rank 0 receives it, offloaded to host memory (``cpu_offload=True``); the other ranks
+    get an empty dict."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=not every_rank)
+    return get_model_state_dict(model, options=options)
 
 
 @dataclass(frozen=True)
@@ -402,7 +434,11 @@ class AsyncEval(Service):
 
     def on_epoch_end(self, event: Any) -> None:
         self._deliver(wait=False)
-        if not self._active() or (event.epoch + 1) % self.every:
+        if (event.epoch + 1) % self.every:
+            return
+        if not self._active():
+            if self._gathers(event.model):  # rank 0 evaluates; this rank joins the gather
+                full_model_state(unwrap_model(event.model), every_rank=False)
             return
         while len(self._pending) >= self.max_pending:
             self._deliver_one(wait=True)
@@ -428,6 +464,16 @@ class AsyncEval(Service):
 
     # --- internals --------------------------------------------------------------------------
 
+    def _gathers(self, model: Any) -> bool:
+        """Whether this evaluation snapshots a sharded (FSDP2 / DTensor) model's full
+        state, a collective every rank of the training takes part in."""
+        return (
+            self.pass_task
+            and self.state_provider is None
+            and model is not None
+            and is_sharded(unwrap_model(model))
+        )
+
     def _active(self) -> bool:
         rt = self.rt
         return rt is not None and (self.ranks == "all" or rt.rank == 0)
@@ -446,6 +492,8 @@ class AsyncEval(Service):
         target = unwrap_model(model) if model is not None else None
         if self.state_provider is not None:
             state = self.state_provider(target)
+        elif self._gathers(model):
+            state = full_model_state(target, every_rank=self.ranks == "all")
         elif target is not None:
             state = target.state_dict()
         else:
