@@ -39,8 +39,9 @@ sakura is faster) and the step's fraction of the GEMM limit (``gemm`` time / ste
 the same trial); the CPU and the load before and after.  ``--profile``: then one traced step
 of each variant with the operators of most self CPU time.
 
-Run: ``python benchmarks/qlora_step.py`` (the default variants, 5 trials, 2 x 256 tokens,
-1 thread: about 5 minutes on a 2-core machine, most of it loading); ``--variants`` to choose,
+Run: ``python benchmarks/qlora_step.py`` (the 10 default variants, 5 trials, 2 x 256 tokens,
+1 thread: about 15 minutes on a shared 2-core machine at load 6-8, loading the variants one
+after the other is a third of it; each variant holds 1-2 GiB); ``--variants`` to choose,
 ``--profile``, ``--json``.
 """
 
