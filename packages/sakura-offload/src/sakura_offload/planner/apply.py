@@ -331,7 +331,9 @@ def tracked_call(
                 call.hold(key, nbytes)
 
         def contexts() -> tuple[Any, Any]:
-            return contextlib.nullcontext(), _CountMaterialised(call.add, planner._param_keys)
+            return contextlib.nullcontext(), _CountMaterialised(
+                call.add, planner._param_keys, module
+            )
 
         out = checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
     elif choice == "keep":

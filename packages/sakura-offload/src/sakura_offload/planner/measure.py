@@ -80,9 +80,14 @@ class _Delegated:
 
 
 def _weights_of(module: nn.Module | None) -> set[_Key]:
-    """The storages of ``module``'s parameters as they are now: under ``WeightPaging``,
-    inside the block's call, the device copies it installed."""
-    return set() if module is None else {_storage(p)[0] for p in module.parameters()}
+    """The storages of ``module``'s parameters and buffers as they are now.  In a block
+    whose weights are streamed (the :data:`sakura.marks.WEIGHTS_STREAMED` mark, e.g.
+    ``WeightPaging``), inside the block's call, these are the device copies it installed
+    for this call (a quantized base's codes and scales are buffers): new storages that the
+    planner's parameter keys (taken when the weights were in their store) do not know."""
+    if module is None:
+        return set()
+    return {_storage(t)[0] for t in (*module.parameters(), *module.buffers())}
 
 
 def _pass_on() -> Callable[[torch.Tensor], Any]:
@@ -190,14 +195,30 @@ class _Recorder:
 
 class _CountMaterialised(TorchDispatchMode):
     """The peak of live bytes of the storages a forward creates (its saved activations,
-    its output and its temporaries while they live), reported to ``sink`` as increases."""
+    its output and its temporaries while they live), reported to ``sink`` as increases.
 
-    def __init__(self, sink: Callable[[int], None], skip: set[_Key]) -> None:
+    ``skip``: storages that are not created by the forward (parameters and buffers).  An
+    op's output that is a view of one (``weight.t()`` in a linear layer) shares its storage
+    and is skipped too.  ``module``: the block whose weights may be streamed; the storages
+    of its parameters and buffers *when the mode is entered* are skipped as well, since
+    ``WeightPaging`` installs new device copies for each forward and again for the
+    backward that recomputes it (they are weights, counted by whoever streams them)."""
+
+    def __init__(
+        self, sink: Callable[[int], None], skip: set[_Key], module: nn.Module | None = None
+    ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.sink = sink
         self.skip = skip
+        self.module = module
         self.tracked: dict[_Key, tuple[StorageWeakRef, int]] = {}
         self.peak = 0
+
+    def __enter__(self) -> _CountMaterialised:
+        if self.module is not None:
+            self.skip = self.skip | _weights_of(self.module)
+        super().__enter__()  # type: ignore[no-untyped-call]
+        return self
 
     def __torch_dispatch__(
         self,
@@ -292,7 +313,9 @@ def measure_call(
         materialised[0] += n
 
     mode: Any = (
-        _CountMaterialised(sink, planner._param_keys) if count_now else contextlib.nullcontext()
+        _CountMaterialised(sink, planner._param_keys, planner.wrappers[index].module)
+        if count_now
+        else contextlib.nullcontext()
     )
     previous = recorder.current, recorder.weights, recorder.pass_on
     recorder.current = index
