@@ -22,6 +22,15 @@ zstd, fp32 and bf16 (these weights are freshly initialised; trained weights comp
 as little).
 
     python benchmarks/checkpoint_stall.py [--steps 15] [--every 5] [--trials 2] [--dir /tmp/x]
+
+``--fsdp`` measures the sharded case instead: an FSDP2 (``fully_shard``) MLP with AdamW on
+2 gloo ranks (``torch.multiprocessing``), checkpointing every ``--every`` steps with
+sakura-async's ``ShardedCheckpoint`` (DCP ``async_save`` staging + an atomic commit on a
+side group), DCP's own ``async_save`` (staging, no commit), and a blocking ``dcp.save``;
+the training stall per checkpoint on rank 0, medians over each trial, per-trial ratios to
+the blocking save.
+
+    python benchmarks/checkpoint_stall.py --fsdp [--steps 12] [--every 3] [--trials 3]
 """
 
 from __future__ import annotations
@@ -188,6 +197,114 @@ def zstd_sizes(root: str) -> list[tuple[str, int, int, float, float]]:
     return out
 
 
+FSDP_WIDTH, FSDP_LAYERS, FSDP_METHODS = 1024, 4, ("ShardedCheckpoint", "dcp.async_save", "dcp.save")
+
+
+def _fsdp_trial(
+    method: str, model: Any, optimizer: Any, side: Any, args: Any, root: str
+) -> list[float]:
+    """One run of ``--steps`` steps checkpointing with ``method``; the stall of each save."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from sakura_async.checkpoint import ShardedCheckpoint
+
+    ckpt = (
+        ShardedCheckpoint(os.path.join(root, "sakura"), keep=1)
+        if method == "ShardedCheckpoint"
+        else None
+    )
+    previous: Any = None
+    stalls = []
+    for step in range(1, args.steps + 1):
+        x = torch.randn(BATCH, FSDP_WIDTH)
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step % args.every:
+            continue
+        t0 = time.perf_counter()
+        if ckpt is not None:
+            ckpt.save(step, model, optimizer)
+        else:
+            msd, osd = get_state_dict(model, [optimizer])
+            where = os.path.join(root, method, str(step))
+            if method == "dcp.save":
+                dcp.save({"model": msd, "optim": osd}, checkpoint_id=where, process_group=side)
+            else:
+                if previous is not None:
+                    previous.result()  # one in flight, as ShardedCheckpoint
+                previous = dcp.async_save(
+                    {"model": msd, "optim": osd}, checkpoint_id=where, process_group=side
+                )
+        stalls.append(time.perf_counter() - t0)
+    if ckpt is not None:
+        ckpt.close()
+    if previous is not None:
+        previous.result()
+    return stalls
+
+
+def _fsdp_rank(rank: int, world: int, init: str, root: str, args: Any) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from sakura_bench.measure import ratio_summary
+
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        *[torch.nn.Linear(FSDP_WIDTH, FSDP_WIDTH) for _ in range(FSDP_LAYERS)]
+    )
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    side = dist.new_group(backend="gloo")
+    medians: dict[str, list[float]] = {m: [] for m in FSDP_METHODS}
+    spreads: dict[str, list[float]] = {m: [] for m in FSDP_METHODS}
+    for trial in range(args.trials):
+        for method in FSDP_METHODS[trial % 3 :] + FSDP_METHODS[: trial % 3]:  # interleaved
+            stalls = _fsdp_trial(
+                method, model, optimizer, side, args, os.path.join(root, str(trial))
+            )
+            later = stalls[1:] or stalls  # the first save allocates the staging buffers
+            medians[method].append(summary(later).median)
+            spreads[method] += later
+            shutil.rmtree(os.path.join(root, str(trial)), ignore_errors=True)
+    if rank == 0:
+        nbytes = sum(p.numel() * 4 for p in model.parameters()) * 3  # weights + 2 AdamW moments
+        print(
+            f"# FSDP2 checkpoint stall on {world} gloo ranks: {nbytes / 1e6:.0f} MB fp32 state "
+            f"(weights + AdamW), {args.steps} steps, a save every {args.every}, "
+            f"{args.trials} interleaved trial(s); rank 0's stall per save\n# {machine_note()}\n"
+        )
+        print(
+            "| method | stall per save, ms (median of trials, min-max) | all saves | ratio to dcp.save |"
+        )
+        print("|---|---|---|---|")
+        for method in FSDP_METHODS:
+            ratio = ratio_summary(medians[method], medians["dcp.save"])
+            print(
+                f"| {method} | {summary(medians[method]).format(1, ' ms', scale=1e3)} | "
+                f"{summary(spreads[method]).format(1, ' ms', scale=1e3)} | {ratio.format(2, 'x')} |"
+            )
+        print(f"\n# load average {load_average()}")
+    dist.destroy_process_group()
+
+
+def fsdp_main(args: Any) -> int:
+    import torch.multiprocessing as mp
+
+    root = args.dir or tempfile.mkdtemp(prefix="sakura-dcp-bench-")
+    init = os.path.join(root, "init")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    mp.spawn(_fsdp_rank, args=(2, init, root, args), nprocs=2, join=True)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=15)
@@ -196,7 +313,10 @@ def main() -> int:
     parser.add_argument("--dir", help="where to write (default: a temporary directory)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--quick", action="store_true", help="fewer methods (a smoke run)")
+    parser.add_argument("--fsdp", action="store_true", help="the FSDP2 / DCP case, 2 gloo ranks")
     args = parser.parse_args()
+    if args.fsdp:
+        return fsdp_main(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     base_dir = args.dir or tempfile.mkdtemp(prefix="sakura-ckpt-bench-")

@@ -43,7 +43,7 @@ def test_rank_that_never_joins_is_reported_not_waited_on(tmp_path: Path) -> None
     ckpt = tmp_path / "ckpt"
     launch_ranks(WORKER, 2, tmp_path, "hang", str(ckpt), timeout=90)
     result = _read(tmp_path / "hang-rank0.json")
-    assert "did not join" in result["error"] or "could not agree" in result["error"]
+    assert "could not agree" in result["error"]  # DCP's planning timed out, then the vote
     assert result["steps"] == []
 
 

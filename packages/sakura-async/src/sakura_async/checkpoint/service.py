@@ -55,6 +55,7 @@ from sakura_async.checkpoint.pending import (
     current_cuda_stream,
 )
 from sakura_async.checkpoint.schedule import parse_every
+from sakura_async.checkpoint.sharded import is_sharded
 from sakura_async.checkpoint.store import remove_stale_temporaries, write_checkpoint
 from sakura_async.dispatch.base import Dispatcher
 from sakura_async.dispatch.resolve import DispatcherSlot
@@ -539,6 +540,12 @@ class AsyncCheckpoint(Service):
             raise ValueError(
                 "AsyncCheckpoint has seen no model yet (no OnTrainBegin/OnEpochEnd with a "
                 "model); pass state_provider=... to save something else"
+            )
+        if is_sharded(unwrap_model(model)):
+            raise NotImplementedError(
+                "AsyncCheckpoint does not write FSDP2 / DTensor models (each rank holds only "
+                "its shard); use sakura_async.checkpoint.ShardedCheckpoint (DCP, every rank) "
+                "or pass state_provider=..."
             )
         state: dict[str, Any] = {"model": unwrap_model(model).state_dict()}
         if self._optimizer is not None and hasattr(self._optimizer, "state_dict"):

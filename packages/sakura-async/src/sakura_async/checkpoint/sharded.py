@@ -141,6 +141,11 @@ class ShardedCheckpoint:
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="sakura-dcp-commit")
         self._pending: Future[str] | None = None
         os.makedirs(self.dir, exist_ok=True)
+        if self.rank == 0:  # writes that crashed before their commit
+            for entry in os.listdir(self.dir):
+                if entry.startswith(".tmp-step-"):
+                    shutil.rmtree(os.path.join(self.dir, entry), ignore_errors=True)
+        dist.barrier(group=self._group)
 
     def save(
         self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
@@ -154,20 +159,17 @@ class ShardedCheckpoint:
         self.wait()
         name = _final_name(step)
         tmp = os.path.join(self.dir, f".tmp-{name}")
-        if self.rank == 0 and os.path.exists(tmp):
-            shutil.rmtree(tmp)  # a write that crashed before its commit
         try:
-            dist.barrier(group=self._group)  # the stale temporary is gone on every rank
+            writing = async_save(
+                _state(model, optimizer),
+                storage_writer=FileSystemWriter(tmp, sync_files=True),
+                process_group=self._group,
+            )
         except BaseException as exc:  # a rank died or never came to this save
             raise CheckpointWriteError(
-                f"sharded checkpoint {name!r} was not started: the other ranks did not join "
+                f"sharded checkpoint {name!r} was not started: the ranks could not agree "
                 f"within timeout_s={self.timeout_s} ({type(exc).__name__}: {exc})"
             ) from exc
-        writing = async_save(
-            _state(model, optimizer),
-            storage_writer=FileSystemWriter(tmp, sync_files=True),
-            process_group=self._group,
-        )
         future = writing if isinstance(writing, Future) else writing.upload_completion
         self._pending = self._committer.submit(self._commit, future, tmp, name)
         return self._pending
@@ -206,6 +208,7 @@ class ShardedCheckpoint:
         if failed:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
+            dist.barrier(group=self._group)  # gone before any rank writes that step again
             raise CheckpointWriteError(
                 f"sharded checkpoint {name!r} was not published; failed ranks: {failed}; "
                 "the previous checkpoint is kept"
