@@ -5,8 +5,10 @@
 moments per trainable parameter) and applies the model's part of the plan (a fit choice,
 weight streaming, the activation planner); ``wrap_optimizer`` hands the optimizer to an
 :class:`~sakura_offload.OffloadAdamWService` when the plan puts it on the host (that
-service's accumulation and skipped-step handling come with it).  An optimizer that is not
-an AdamW under a plan that needs the host optimizer is an error naming the plan.
+service's accumulation and skipped-step handling come with it: the loop's backward passes
+per step, ``OnTrainBegin.accumulation_steps``, or the ``accumulation_steps`` option for a
+loop that does not say).  An optimizer that is not an AdamW under a plan that needs the
+host optimizer is an error naming the plan.
 """
 
 from __future__ import annotations
@@ -29,8 +31,11 @@ _OWNER = "Fit"
 class Fit(Service):
     """Spec ``fit[:device_budget][,host_budget=..,disk_offload=..,choices=..,moment_dtype=..,
     activations=..,activation_reserve=..,prefetch=..,cost_trials=..,report=..,blocks=..,
-    replan=..,log_every=..]``, e.g. ``fit:device_budget=2GiB,host_budget=8GiB,disk_offload=/tmp/x``.
-    The options are :func:`sakura_offload.wrap`'s, and ``log_every`` (default 50, 0: never):
+    replan=..,accumulation_steps=..,log_every=..]``, e.g.
+    ``fit:device_budget=2GiB,host_budget=8GiB,disk_offload=/tmp/x``.  The options are
+    :func:`sakura_offload.wrap`'s (``accumulation_steps``: ``None`` reads the loop's setting
+    when training starts, as the ``offload_adamw`` service does), and ``log_every``
+    (default 50, 0: never):
     every that many optimizer steps the ``sakura_*`` metrics of
     :mod:`sakura_offload.fit.metrics` go to the loop's ``report_metrics`` (Lightning's
     loggers, the HF Trainer's ``log_history``), or as an ``OnLog`` event (a raw loop's
@@ -80,7 +85,10 @@ class Fit(Service):
                 f"which takes a torch.optim.AdamW (or Adam without weight decay); got "
                 f"{type(optimizer).__name__}"
             )
-        self._adamw = OffloadAdamWService(moment_dtype=state.plan.moment_dtype)
+        self._adamw = OffloadAdamWService(
+            moment_dtype=state.plan.moment_dtype,
+            accumulation_steps=self.options["accumulation_steps"],
+        )
         state.optimizer = self._adamw.wrap_optimizer(optimizer)
         return state.optimizer
 

@@ -72,6 +72,7 @@ def fit_options(
     cost_trials: Any = 3,
     report: Any = True,
     replan: Any = True,
+    accumulation_steps: Any = None,
     owner: str = "wrap",
 ) -> dict[str, Any]:
     """Every ``fit`` option checked (an OptionError names the option, the value and what
@@ -109,6 +110,8 @@ def fit_options(
         "cost_trials": check_int("cost_trials", cost_trials, minimum=0, owner=owner),
         "report": check_bool("report", report, owner=owner),
         "replan": check_bool("replan", replan, owner=owner),
+        "accumulation_steps": check_int("accumulation_steps", accumulation_steps, minimum=1,
+                                        allow_none=True, owner=owner),
     }  # fmt: skip
 
 
@@ -331,7 +334,9 @@ def _apply_parts(
             host_budget=plan.host_weight_bytes if plan.weights == "disk" else None,
         )
     if plan.optimizer == "host" and optimizer is not None:
+        steps = options["accumulation_steps"] or 1
         optimizer = OffloadAdamW.from_optimizer(optimizer, moment_dtype=plan.moment_dtype)
+        optimizer.set_accumulation_steps(steps, advice=_ACCUMULATION_ADVICE)
     planner = None
     mode = options["activations"]
     if mode == "plan" and plan.activation_budget is None:
@@ -375,6 +380,15 @@ def _apply_parts(
         torch.cuda.reset_peak_memory_stats(dev)
     model.__dict__[_ATTR] = state
     return state
+
+
+_ACCUMULATION_ADVICE = (
+    "pass the loop's backward passes per optimizer step to fit: "
+    "sakura_offload.wrap(..., accumulation_steps=N); the fit service reads a framework's "
+    "setting itself (or takes fit:accumulation_steps=N)"
+)
+"""The end of OffloadAdamW's error for a backward pass beyond ``accumulation_steps``, when
+fit built the optimizer."""
 
 
 def weight_bandwidths(model: nn.Module, plan: FitPlan, options: dict[str, Any]) -> dict[str, float]:
@@ -446,7 +460,9 @@ def wrap(model: nn.Module, optimizer: Any = None, **options: Any) -> tuple[nn.Mo
     ``moment_dtype`` (``"auto"``), ``activations`` (``"auto"``: a memory planner when a
     device budget is known; ``"plan"``; ``"keep"``), ``activation_reserve``, ``prefetch``,
     ``cost_trials``, ``report``, ``replan`` (default True: measure the first step and
-    re-plan once when it does not fit, :mod:`.replan`).  See ``docs/offload.md``, "fit"."""
+    re-plan once when it does not fit, :mod:`.replan`), ``accumulation_steps`` (backward
+    passes per optimizer step, for the host optimizer a plan may build; ``None``: 1).  See
+    ``docs/offload.md``, "fit"."""
     if not isinstance(model, nn.Module):
         raise option_error("model", type(model).__name__, "a torch.nn.Module", owner="wrap")
     checked = fit_options(**options)
