@@ -11,30 +11,22 @@ per-trial ratio fused / HF are printed with the CPU and the load.  Liger's kerne
 Triton (CUDA only): they are listed as a rival when ``liger_kernel`` imports and a CUDA
 device exists, else the output says why not.
 
-    python benchmarks/kernels.py --trials 15
+    python benchmarks/block_kernels.py --trials 15
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
-# This file is named kernels.py, and transformers probes for a package named `kernels` (the
-# HF kernel hub) at import: drop this folder from the import path first so that the probe
-# does not find this script.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+import torch
+from transformers.activations import ACT2FN
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-import torch  # noqa: E402
-from transformers.activations import ACT2FN  # noqa: E402
-from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb  # noqa: E402
-
-from sakura_bench.measure import interleaved, load_average, machine_note, ratio_summary, summary  # noqa: E402
-from sakura_kernels.blocks import fused_glu, fused_rms_norm  # noqa: E402
-from sakura_kernels.blocks.functions import fused_rotary  # noqa: E402
+from sakura_bench.measure import interleaved, load_average, machine_note, ratio_summary, summary
+from sakura_kernels.blocks import fused_glu, fused_rms_norm
+from sakura_kernels.blocks.functions import fused_rotary
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, SEQ, BATCH = 576, 1536, 9, 3, 64, 256, 2
 
