@@ -1,0 +1,199 @@
+"""RayReport: what Sakura's services produce, handed to Ray Train.
+
+Ray's rules (``ray.train.report``) shape the design:
+
+* every worker must call ``report`` the same number of times (it is a barrier), so reports
+  happen only at points every rank reaches together — the end of each epoch and the end of
+  training — never when an asynchronous result happens to arrive on one rank;
+* only rank 0's metrics are kept, and a checkpoint is registered when any worker passes
+  one: AsyncCheckpoint writes on rank 0 (``ranks="zero"``), so rank 0 passes its
+  directory and the other ranks pass None in the same call;
+* a checkpoint is copied to Ray's storage during the call, so only a directory whose write
+  is durable (AsyncCheckpoint lists it in ``saved`` after the rename and the directory
+  fsync) is ever passed; one still being written waits for the next report point.
+
+Several checkpoints may become durable between two report points (the one of the last
+epoch is waited for at the end of training); each gets a report of its own, and the ranks
+first agree (one ``all_reduce`` over the loop's process group) on how many reports follow.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from sakura import OnEpochEnd, OnLog, OnTrainBegin, OnTrainEnd, OnValidationEnd, Service
+from sakura.events import Event
+from sakura.options import check_bool
+from sakura.runtime import SakuraRuntime
+
+if TYPE_CHECKING:
+    from sakura_async.checkpoint import Checkpoint
+
+__all__ = ["RayReport", "in_ray_train_worker"]
+
+
+def in_ray_train_worker() -> tuple[int, int] | None:
+    """``(world rank, world size)`` inside a Ray Train worker's training function, else
+    None."""
+    import ray.train
+
+    try:
+        context = ray.train.get_context()
+        return int(context.get_world_rank()), int(context.get_world_size())
+    except (RuntimeError, AttributeError, ValueError):
+        return None
+
+
+def _number(value: Any) -> float | None:
+    """A metric value as a float (Python numbers, 0-d/1-element tensors), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    numel = getattr(value, "numel", None)
+    if callable(numel) and numel() == 1:
+        return float(value.detach().float().cpu().item())
+    return None
+
+
+class RayReport(Service):
+    """Report AsyncEval's metrics and each durable AsyncCheckpoint checkpoint to Ray Train.
+
+    Install it, with the other services, inside the function ``TorchTrainer`` runs on each
+    worker.  At each epoch end and at the end of training every rank calls
+    ``ray.train.report`` with the newest metrics seen (``OnValidationEnd`` — AsyncEval's
+    results — and ``OnLog``) plus ``step`` and ``epoch``; rank 0 attaches, one report
+    each, the AsyncCheckpoint directories that became durable since the last report.
+
+    Args:
+        logs: also take the loop's logged values (``OnLog``) as metrics.
+        name: the service name.
+
+    Setting it up outside a Ray Train worker raises a RuntimeError.
+    """
+
+    name = "ray_report"
+    priority = 90  # after AsyncCheckpoint (70), which collects finished writes first
+    event_types = frozenset({OnTrainBegin, OnValidationEnd, OnLog, OnEpochEnd, OnTrainEnd})
+
+    def __init__(self, *, logs: bool = True, name: str | None = None) -> None:
+        self.logs = check_bool("logs", logs, owner="RayReport")
+        if name is not None:
+            self.name = name
+        self.rt: SakuraRuntime | None = None
+        self.rank = 0
+        self.world_size = 1
+        self.metrics: dict[str, float] = {}
+        """The newest value of each metric seen (what the next report carries)."""
+        self.reported: list[str] = []
+        """The checkpoint directories handed to Ray, in order (rank 0)."""
+        self.reports = 0
+        """How many times ``ray.train.report`` was called on this rank."""
+        self._history: list[tuple[int, dict[str, float]]] = []
+        self._seen: dict[int, int] = {}  # id(AsyncCheckpoint) -> len(saved) already handled
+
+    def setup(self, runtime: SakuraRuntime) -> None:
+        where = in_ray_train_worker()
+        if where is None:
+            raise RuntimeError(
+                "RayReport must run inside a Ray Train worker (the training function of "
+                "ray.train.torch.TorchTrainer or another Ray Train trainer): "
+                "ray.train.get_context() is not available in this process"
+            )
+        self.rank, self.world_size = where
+        self.rt = runtime
+
+    def teardown(self) -> None:
+        self.rt = None
+
+    def on_event(self, event: Event) -> None:
+        if isinstance(event, OnValidationEnd):
+            self._take(event.step, event.metrics)
+        elif isinstance(event, OnLog):
+            if self.logs:
+                self._take(event.step, event.logs)
+        elif isinstance(event, OnTrainBegin):
+            self._seen = {id(s): len(s.saved) for s in self._checkpointers()}
+        else:  # OnEpochEnd, OnTrainEnd: points every rank reaches together
+            self._take(event.step, getattr(event, "metrics", None))
+            self._report(event.step, event.epoch)
+
+    def _take(self, step: int, metrics: Mapping[str, Any] | None) -> None:
+        values = {}
+        for key, value in (metrics or {}).items():
+            number = _number(value)
+            if number is not None:
+                values[str(key)] = number
+        if values:
+            self.metrics.update(values)
+            self._history.append((step, values))
+
+    def _metrics_at(self, step: int) -> dict[str, float]:
+        """The newest value of each metric measured at or before ``step`` (what a
+        checkpoint of that step is reported with)."""
+        merged: dict[str, float] = {}
+        for seen_step, values in sorted(self._history, key=lambda item: item[0]):
+            if seen_step <= step:
+                merged.update(values)
+        return merged
+
+    def _checkpointers(self) -> list[Any]:
+        from sakura_async.checkpoint import AsyncCheckpoint
+
+        rt = self.rt
+        return [] if rt is None else [s for s in rt.services if isinstance(s, AsyncCheckpoint)]
+
+    def _durable(self) -> list[Checkpoint]:
+        """Checkpoints AsyncCheckpoint finished writing since the last report (that
+        retention has not removed meanwhile), oldest first."""
+        from sakura_async.checkpoint import find_checkpoints
+
+        found: list[Checkpoint] = []
+        for service in self._checkpointers():
+            start = self._seen.get(id(service), 0)
+            new = service.saved[start:]
+            self._seen[id(service)] = len(service.saved)
+            for root in dict.fromkeys(os.path.dirname(d) for d in new):
+                listed = {os.path.realpath(c.path): c for c in find_checkpoints(root)}
+                found.extend(listed[real] for d in new if (real := os.path.realpath(d)) in listed)
+        return sorted(found, key=lambda c: c.step)
+
+    def _agreed_count(self, mine: int) -> int:
+        """How many reports every rank makes now: the most any rank needs."""
+        if self.world_size > 1:
+            import torch
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+                count = torch.tensor([mine], dtype=torch.int64, device=device)
+                dist.all_reduce(count, op=dist.ReduceOp.MAX)
+                mine = int(count.item())
+        return mine
+
+    def _report(self, step: int, epoch: int) -> None:
+        """Each new durable checkpoint with the metrics of its step, then (unless the
+        newest checkpoint is of this step) the current metrics without one."""
+        import ray.train
+
+        checkpoints = self._durable()
+        current = checkpoints and checkpoints[-1].step == step
+        mine = len(checkpoints) + (0 if current else 1)
+        for i in range(self._agreed_count(mine)):
+            if i < len(checkpoints):
+                ckpt = checkpoints[i]
+                metrics = {**self._metrics_at(ckpt.step), "step": ckpt.step, "epoch": ckpt.epoch}
+                ray.train.report(
+                    metrics,
+                    checkpoint=ray.train.Checkpoint.from_directory(ckpt.path),
+                    checkpoint_dir_name=os.path.basename(ckpt.path),
+                )
+                self.reported.append(ckpt.path)
+            else:
+                ray.train.report({**self.metrics, "step": step, "epoch": epoch})
+            self.reports += 1
+
+    def __repr__(self) -> str:
+        return f"<RayReport name={self.name!r} rank={self.rank} reports={self.reports}>"

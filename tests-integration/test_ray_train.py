@@ -1,0 +1,176 @@
+"""Sakura-enabled loops inside Ray Train (issue 23): a real local Ray cluster (2 CPUs),
+``TorchTrainer`` with 2 CPU workers, AsyncEval + AsyncCheckpoint + RayReport.
+
+Each loop's workers record, on rank 0, the weights at every epoch end and the validation
+loss a synchronous evaluation of them gives; the test checks that every checkpoint Ray
+registered is complete (its manifest's checksums verify), loads with
+``weights_only=True``, and holds exactly the weights of its step, and that the metrics Ray
+attached to it are AsyncEval's for that epoch.  Skipped where ``ray`` is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="the Ray Train integration needs ray installed")
+pytest.importorskip("ray.train.torch", reason="the Ray Train integration needs ray[train]")
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.ray
+
+EPOCHS = 3
+BATCHES = 3
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Any:
+    import ray.cloudpickle
+
+    # The training functions below travel to the workers by value: this test module is
+    # not importable there.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def _data(rank: int) -> tuple[list[Any], dict[str, Any]]:
+    g = torch.Generator().manual_seed(10 + rank)
+    batches = [
+        (torch.randn(8, 6, generator=g), torch.randn(8, 2, generator=g)) for _ in range(BATCHES)
+    ]
+    gv = torch.Generator().manual_seed(99)
+    val = {"x": torch.randn(32, 6, generator=gv), "y": torch.randn(32, 2, generator=gv)}
+    return batches, val
+
+
+def _net() -> Any:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 2))
+
+
+def _val_loss(module: Any, payload: dict[str, Any]) -> float:
+    with torch.no_grad():
+        return float(torch.nn.functional.mse_loss(module(payload["x"]), payload["y"]))
+
+
+def _record(out: str, rank: int, name: str, entry: dict[str, Any]) -> None:
+    path = Path(out, f"{name}-rank{rank}.jsonl")
+    with path.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(entry) + "\n")
+
+
+def _weights(module: Any) -> dict[str, list[Any]]:
+    return {k: v.detach().tolist() for k, v in module.state_dict().items()}
+
+
+def raw_loop(config: dict[str, Any]) -> None:
+    """A raw DDP loop with DDPAdapter, as a user writes it; Ray set up the process group."""
+    import ray.train
+    from torch.nn.parallel import DistributedDataParallel
+
+    from sakura import SakuraRuntime
+    from sakura.dispatch import InThreadDispatcher
+    from sakura_adapters import DDPAdapter
+    from sakura_async import AsyncCheckpoint, AsyncEval
+    from sakura_ray import RayReport
+
+    torch.set_num_threads(1)
+    rank = ray.train.get_context().get_world_rank()
+    net = _net()
+    model = DistributedDataParallel(net)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches, val = _data(rank)
+
+    def eval_fn(epoch: int, payload: dict[str, Any]) -> dict[str, float]:
+        return {"val_loss": _val_loss(net, payload)}
+
+    report = RayReport()
+    services = [
+        AsyncEval(eval_fn, val, dispatcher=InThreadDispatcher()),
+        AsyncCheckpoint(dir=config["dir"], every=1, metric="val_loss"),
+        report,
+    ]
+    with SakuraRuntime(services) as rt:
+        loop = DDPAdapter(rt)
+        loop.on_train_begin(model, optimizer, batches)
+        for epoch in range(EPOCHS):
+            loop.on_epoch_begin(epoch)
+            for i, (x, y) in enumerate(batches):
+                loop.on_train_step_begin(model, (x, y), i)
+                optimizer.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                optimizer.step()
+                loop.on_optimizer_step(optimizer)
+            entry = {"step": loop.global_step, "epoch": epoch, "weights": _weights(net)}
+            entry["val_loss"] = _val_loss(net, val)
+            _record(config["out"], rank, "raw", entry)
+            loop.on_epoch_end(epoch, model, optimizer)
+        loop.on_train_end(model)
+    _record(config["out"], rank, "raw-reports", {"reports": report.reports})
+
+
+def _fit(tmp_path: Path, loop: Any, name: str) -> Any:
+    from ray.train import CheckpointConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    out = tmp_path / "out"
+    out.mkdir()
+    trainer = TorchTrainer(
+        loop,
+        train_loop_config={"dir": str(tmp_path / "ckpt"), "out": str(out)},
+        scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
+        run_config=RunConfig(
+            name=name,
+            storage_path=str(tmp_path / "ray"),
+            checkpoint_config=CheckpointConfig(num_to_keep=None),
+        ),
+    )
+    return trainer.fit(), out
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def _check_checkpoints(result: Any, expected: list[dict[str, Any]]) -> None:
+    """Every checkpoint Ray registered verifies, loads, and equals the weights of its step;
+    its metrics are AsyncEval's for that epoch."""
+    from sakura_async.checkpoint import find_checkpoints
+
+    by_step = {row["step"]: row for row in expected}
+    registered = result.best_checkpoints
+    assert len(registered) == EPOCHS
+    seen_steps = []
+    for checkpoint, metrics in registered:
+        with checkpoint.as_directory() as directory:
+            found = find_checkpoints(Path(directory).parent, verify=True)
+            mine = [c for c in found if os.path.samefile(c.path, directory)]
+            assert len(mine) == 1, f"{directory} is not a complete sakura checkpoint"
+            state = torch.load(mine[0].file, weights_only=True)
+        row = by_step[mine[0].step]
+        for key, values in row["weights"].items():
+            torch.testing.assert_close(state["model"][key], torch.tensor(values), rtol=0, atol=1e-7)
+        assert metrics["val_loss"] == pytest.approx(row["val_loss"], rel=1e-6)
+        seen_steps.append(mine[0].step)
+    assert sorted(seen_steps) == sorted(by_step)
+
+
+def test_raw_ddp_loop_reports_metrics_and_durable_checkpoints(cluster: Any, tmp_path: Path) -> None:
+    result, out = _fit(tmp_path, raw_loop, "raw")
+    assert result.error is None
+    expected = _rows(out / "raw-rank0.jsonl")
+    assert [r["epoch"] for r in expected] == list(range(EPOCHS))
+    _check_checkpoints(result, expected)
+    last = expected[-1]
+    assert result.metrics["val_loss"] == pytest.approx(last["val_loss"], rel=1e-6)
+    assert result.metrics["step"] == last["step"] == EPOCHS * BATCHES
+    # Both ranks called ray.train.report equally often (Ray's barrier rule).
+    counts = [_rows(out / f"raw-reports-rank{r}.jsonl")[0]["reports"] for r in (0, 1)]
+    assert counts[0] == counts[1] >= EPOCHS
