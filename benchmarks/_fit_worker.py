@@ -253,6 +253,10 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
                 state_peak = max(state_peak, report_state(sakura_offload.memory_report(model)))
             else:
                 state_peak = max(state_peak, _device_state(model, optimizer, paging))
+            if kind == "fit":  # a re-plan after the first step replaces the parts
+                state = model.sakura_fit
+                paging, planner, plan = state.paging, state.planner, state.plan.summary()
+                same_by_hand = _hand_name(state.plan)
             host_state = max(host_state, _host_state(optimizer, paging))
             optimizer.zero_grad(set_to_none=True)
             losses.append(float(loss.detach()))
