@@ -198,3 +198,25 @@ def test_patched_model_under_gradient_checkpointing(
     for name, grad in ref_grads.items():
         assert rel(grads[name], grad) <= 2e-5, name
     unpatch_model(model)
+
+
+def test_rotary_is_patched_in_attention_whose_projections_are_all_quantized(
+    make_model: Callable[..., torch.nn.Module],
+) -> None:
+    """An attention module whose q/k/v/o are all quantized holds no floating-point parameter
+    of its own: the rotary check probes in fp32 and bf16 instead of skipping the module (it
+    was skipped with "no floating-point parameter" before)."""
+    from sakura_quant import quantize_model
+
+    reference = make_model("llama", torch.float32)
+    quantize_model(reference.requires_grad_(False), "int8")
+    attention = reference.model.layers[0].self_attn
+    assert not any(p.is_floating_point() for p in attention.parameters())
+    model = copy.deepcopy(reference)
+    report = patch_model(model)
+    assert report.count("rotary") == 2, report
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = reference(input_ids=ids).logits
+        got = model(input_ids=ids).logits
+    assert rel(got, want) <= TOLERANCE[torch.float32]

@@ -234,28 +234,40 @@ def _dispatcher(original: Callable[..., Any]) -> Callable[..., Any]:
     return apply_rotary_pos_emb
 
 
+def _rotary_probes(module: nn.Module) -> list[torch.Tensor]:
+    """Tensors whose dtype and device the rotary check probes in: the attention's first
+    floating-point parameter; when it has none (every projection quantized, no adapter:
+    the activations' dtype is decided outside it), fp32 and bf16 both on its device."""
+    tensors = [*module.parameters(), *module.buffers()]
+    weight = next((t for t in module.parameters() if t.is_floating_point()), None)
+    if weight is not None:
+        return [weight]
+    device = tensors[0].device if tensors else torch.device("cpu")
+    return [torch.empty(1, device=device, dtype=d) for d in (torch.float32, torch.bfloat16)]
+
+
 def _rotary(name: str, module: nn.Module) -> tuple[Callable[[], None] | None, str]:
     forward = inspect.unwrap(type(module).forward)  # past decorators (deprecate_kwarg)
     namespace = getattr(forward, "__globals__", None)
     if namespace is None or "apply_rotary_pos_emb" not in namespace:
         return None, "its forward does not call a module-level apply_rotary_pos_emb"
     head_dim = getattr(module, "head_dim", None)
-    weight = next((p for p in module.parameters() if p.is_floating_point()), None)
-    if not isinstance(head_dim, int) or head_dim % 2 or weight is None:
-        return None, "no even head_dim or no floating-point parameter"
+    if not isinstance(head_dim, int) or head_dim % 2:
+        return None, "no even head_dim"
     key = id(namespace)
     entry = _ROTARY_GLOBALS.get(key)
     original = entry[1] if entry else namespace["apply_rotary_pos_emb"]
-    q, k = _probe((2, 3, 5, head_dim), weight, 1), _probe((2, 1, 5, head_dim), weight, 2)
-    angles = _probe((2, 5, head_dim // 2), weight.float(), 3).float() * 3
-    angles = torch.cat((angles, angles), dim=-1)
-    cos, sin = angles.cos().to(weight.dtype), angles.sin().to(weight.dtype)
-    with torch.no_grad():
-        q_ref, k_ref = original(q, k, cos, sin)
-        ok_q, why_q = _agrees(fused_rotary(q, cos, sin), q_ref, weight.dtype)
-        ok_k, why_k = _agrees(fused_rotary(k, cos, sin), k_ref, weight.dtype)
-    if not (ok_q and ok_k):
-        return None, "apply_rotary_pos_emb: " + (why_q or why_k)
+    for weight in _rotary_probes(module):
+        q, k = _probe((2, 3, 5, head_dim), weight, 1), _probe((2, 1, 5, head_dim), weight, 2)
+        angles = _probe((2, 5, head_dim // 2), weight.float(), 3).float() * 3
+        angles = torch.cat((angles, angles), dim=-1)
+        cos, sin = angles.cos().to(weight.dtype), angles.sin().to(weight.dtype)
+        with torch.no_grad():
+            q_ref, k_ref = original(q, k, cos, sin)
+            ok_q, why_q = _agrees(fused_rotary(q, cos, sin), q_ref, weight.dtype)
+            ok_k, why_k = _agrees(fused_rotary(k, cos, sin), k_ref, weight.dtype)
+        if not (ok_q and ok_k):
+            return None, "apply_rotary_pos_emb: " + (why_q or why_k)
     if entry is None:
         entry = [namespace, original, 0]
         _ROTARY_GLOBALS[key] = entry
