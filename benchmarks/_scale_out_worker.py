@@ -131,9 +131,11 @@ def _bnb_model(cfg: dict[str, Any], out: Path, rank: int) -> Any:
             else ""
         )
     )
-    path = out / f"bnb-base-rank{rank}"
-    torch.manual_seed(0)
-    LlamaForCausalLM(_config(cfg)).save_pretrained(path)
+    path = out / "bnb-base"
+    if rank == 0:  # one checkpoint for both ranks, as a real run loads one
+        torch.manual_seed(0)
+        LlamaForCausalLM(_config(cfg)).save_pretrained(path, is_main_process=True)
+    dist.barrier()
     quant = BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",
@@ -174,20 +176,24 @@ class Variant:
                 raise ValueError(f"unknown variant {name!r}")
             trainable = [p for p in self.model.parameters() if p.requires_grad]
             self.optimizer = torch.optim.AdamW(trainable, lr=1e-4)
-            per_rank = cfg["batch"] if name == "unsharded" else cfg["batch"] // world
-            g = torch.Generator().manual_seed(100 + (0 if name == "unsharded" else rank))
-            self.batches = [
-                torch.randint(0, cfg["vocab"], (per_rank, cfg["seq"]), generator=g)
+            # one global batch per step; a rank of a sharded variant takes its slice, so
+            # the mean of the ranks' losses is the unsharded loss on the same data
+            g = torch.Generator().manual_seed(100)
+            full = [
+                torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g)
                 for _ in range(4)
             ]
-            self.step(0)  # a failing first step is a reason too (bnb's Params4bit under FSDP)
+            self.batches = full if name == "unsharded" else [b.chunk(world)[rank] for b in full]
+            self.first_loss = self.step(0)[
+                1
+            ]  # a failing first step is a reason too (bnb's Params4bit under FSDP)
         except Exception as exc:  # the reason is the result for this variant
             self.error = f"{type(exc).__name__}: {exc}".strip()
             self.model = None
             if os.environ.get("SCALE_OUT_TRACEBACK"):
                 traceback.print_exc()
 
-    def step(self, i: int) -> float:
+    def step(self, i: int) -> tuple[float, float]:
         ids = self.batches[i % len(self.batches)]
         t0 = time.perf_counter()
         loss = self.model(input_ids=ids, labels=ids).loss
@@ -197,7 +203,7 @@ class Variant:
         dt = time.perf_counter() - t0
         if not torch.isfinite(loss.detach().float()):
             raise FloatingPointError(f"{self.name}: loss {loss.item()} is not finite")
-        return dt
+        return dt, float(loss.detach().float())
 
     def holdings(self) -> dict[str, int]:
         from sakura_quant.fsdp import ShardableQuantizedLinear, local_quantized_nbytes
@@ -234,10 +240,12 @@ def memory(rank: int, world: int, out: Path, cfg: dict[str, Any]) -> dict[str, A
         return {"idle": True}
     for i in range(cfg["memory_steps"]):
         v.step(i + 1)
+    v_loss = v.first_loss
     return {
         "rss_after_import_mb": before,
         "peak_rss_mb": _rss_mb(),
         "notes": NOTES,
+        "first_loss": v_loss,
         **v.holdings(),
     }
 
@@ -256,7 +264,7 @@ def timing(rank: int, world: int, out: Path, cfg: dict[str, Any]) -> dict[str, A
             dist.barrier()
             if not v.active:
                 return None
-            times = [v.step(trial * cfg["steps"] + s) for s in range(cfg["steps"])]
+            times = [v.step(trial * cfg["steps"] + s)[0] for s in range(cfg["steps"])]
             return statistics.fmean(times)
 
         return run

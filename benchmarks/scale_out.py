@@ -102,14 +102,15 @@ def report(
         f"(median of per-trial means, min-max across trials; the slower rank's)",
         "",
         "| variant | ranks | step time | peak RSS / rank (MB) | quantized base / rank (MB) "
-        "| other params / rank (MB) | optimizer state / rank (MB) |",
-        "|---|---|---|---|---|---|---|",
+        "| other params / rank (MB) | optimizer state / rank (MB) | first-step loss |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     figures: dict[str, Any] = {"config": cfg, "variants": {}}
     for name, ranks in memory.items():
-        failed = next((r["error"] for r in ranks if "error" in r), None)
+        errors = {f"rank {i}: {r['error']}" for i, r in enumerate(ranks) if "error" in r}
+        failed = "; ".join(sorted(errors)) if errors else None
         if failed is not None:
-            lines.append(f"| {name} | {len(ranks)} | cannot run: {failed} | | | | |")
+            lines.append(f"| {name} | {len(ranks)} | cannot run: {failed} | | | | | |")
             figures["variants"][name] = {"error": failed}
             continue
         live = [r for r in ranks if not r.get("idle")]
@@ -118,9 +119,15 @@ def report(
             f"| {name} | {len(live)} | {step} | "
             + " / ".join(f"{r['peak_rss_mb']:.0f}" for r in live)
             + f" | {_mb(live, 'quantized_bytes')} | {_mb(live, 'param_bytes')} "
-            f"| {_mb(live, 'optimizer_bytes')} |"
+            f"| {_mb(live, 'optimizer_bytes')} "
+            f"| {sum(r['first_loss'] for r in live) / len(live):.4f} |"
         )
         figures["variants"][name] = {"ranks": live, "step_s": times.get(name)}
+    lines.append(
+        "first-step loss: the mean over ranks (each rank a slice of the same global batch), "
+        "so the sakura variants must agree with unsharded; bnb-fsdp2 quantizes with "
+        "bitsandbytes and computes in bf16 (its unquantized weights are bf16 too)"
+    )
     notes = {
         k: v for ranks in memory.values() for r in ranks for k, v in r.get("notes", {}).items()
     }
