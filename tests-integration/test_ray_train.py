@@ -116,6 +116,78 @@ def raw_loop(config: dict[str, Any]) -> None:
     _record(config["out"], rank, "raw-reports", {"reports": report.reports})
 
 
+def lightning_loop(config: dict[str, Any]) -> None:
+    """A lightning.Trainer on Ray's DDP strategy (Ray's documented Lightning setup), with
+    the Sakura services through LightningAdapter."""
+    import lightning.pytorch as pl
+    import ray.train
+    from ray.train.lightning import RayDDPStrategy, RayLightningEnvironment, prepare_trainer
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from sakura import SakuraRuntime
+    from sakura.dispatch import InThreadDispatcher
+    from sakura_adapters.lightning import LightningAdapter
+    from sakura_async import AsyncCheckpoint, AsyncEval
+    from sakura_ray import RayReport
+
+    torch.set_num_threads(1)
+    rank = ray.train.get_context().get_world_rank()
+    _, val = _data(0)
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _net()
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class Reference(pl.Callback):  # runs before the adapter: the same epoch-end weights
+        def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+            entry = {"step": trainer.global_step, "epoch": trainer.current_epoch}
+            entry["weights"] = _weights(module)
+            entry["val_loss"] = _val_loss(module.net, val)
+            _record(config["out"], rank, "lightning", entry)
+
+    def eval_fn(epoch: int, task: Any) -> dict[str, float]:
+        fresh = _net()
+        fresh.load_state_dict({k.removeprefix("net."): v for k, v in task.state_dict.items()})
+        return {"val_loss": _val_loss(fresh, task.payload)}
+
+    g = torch.Generator().manual_seed(5)
+    dataset = TensorDataset(
+        torch.randn(4 * BATCHES * 2, 6, generator=g), torch.randn(4 * BATCHES * 2, 2, generator=g)
+    )
+    report = RayReport()
+    services = [
+        AsyncEval(eval_fn, val, dispatcher=InThreadDispatcher(), pass_task=True),
+        AsyncCheckpoint(dir=config["dir"], every=1, metric="val_loss"),
+        report,
+    ]
+    with SakuraRuntime(services) as rt:
+        trainer = pl.Trainer(
+            max_epochs=EPOCHS,
+            accelerator="cpu",
+            devices="auto",
+            strategy=RayDDPStrategy(),
+            plugins=[RayLightningEnvironment()],
+            callbacks=[Reference(), LightningAdapter(rt)],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            num_sanity_val_steps=0,
+            default_root_dir=config["dir"],
+        )
+        trainer = prepare_trainer(trainer)
+        trainer.fit(Tiny(), DataLoader(dataset, batch_size=4))
+    _record(config["out"], rank, "lightning-reports", {"reports": report.reports})
+
+
 def _fit(tmp_path: Path, loop: Any, name: str) -> Any:
     from ray.train import CheckpointConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -173,4 +245,20 @@ def test_raw_ddp_loop_reports_metrics_and_durable_checkpoints(cluster: Any, tmp_
     assert result.metrics["step"] == last["step"] == EPOCHS * BATCHES
     # Both ranks called ray.train.report equally often (Ray's barrier rule).
     counts = [_rows(out / f"raw-reports-rank{r}.jsonl")[0]["reports"] for r in (0, 1)]
+    assert counts[0] == counts[1] >= EPOCHS
+
+
+def test_lightning_trainer_reports_metrics_and_durable_checkpoints(
+    cluster: Any, tmp_path: Path
+) -> None:
+    pytest.importorskip("lightning.pytorch")
+    result, out = _fit(tmp_path, lightning_loop, "lightning")
+    assert result.error is None
+    expected = _rows(out / "lightning-rank0.jsonl")
+    assert [r["epoch"] for r in expected] == list(range(EPOCHS))
+    _check_checkpoints(result, expected)
+    last = expected[-1]
+    assert result.metrics["val_loss"] == pytest.approx(last["val_loss"], rel=1e-6)
+    assert result.metrics["step"] == last["step"] == EPOCHS * BATCHES
+    counts = [_rows(out / f"lightning-reports-rank{r}.jsonl")[0]["reports"] for r in (0, 1)]
     assert counts[0] == counts[1] >= EPOCHS

@@ -91,7 +91,7 @@ class RayReport(Service):
         """The checkpoint directories handed to Ray, in order (rank 0)."""
         self.reports = 0
         """How many times ``ray.train.report`` was called on this rank."""
-        self._history: list[tuple[int, dict[str, float]]] = []
+        self._history: list[tuple[int, bool, dict[str, float]]] = []
         self._seen: dict[int, int] = {}  # id(AsyncCheckpoint) -> len(saved) already handled
 
     def setup(self, runtime: SakuraRuntime) -> None:
@@ -110,7 +110,7 @@ class RayReport(Service):
 
     def on_event(self, event: Event) -> None:
         if isinstance(event, OnValidationEnd):
-            self._take(event.step, event.metrics)
+            self._take(event.step, event.metrics, validated=True)
         elif isinstance(event, OnLog):
             if self.logs:
                 self._take(event.step, event.logs)
@@ -120,22 +120,27 @@ class RayReport(Service):
             self._take(event.step, getattr(event, "metrics", None))
             self._report(event.step, event.epoch)
 
-    def _take(self, step: int, metrics: Mapping[str, Any] | None) -> None:
+    def _take(
+        self, step: int, metrics: Mapping[str, Any] | None, *, validated: bool = False
+    ) -> None:
+        """Remember ``metrics`` measured at ``step``.  A validation result (AsyncEval's
+        ``OnValidationEnd``) outranks the loop's own values of the same step: the loop's
+        epoch-end metrics and logs may still carry the previous evaluation's value."""
         values = {}
         for key, value in (metrics or {}).items():
             number = _number(value)
             if number is not None:
                 values[str(key)] = number
         if values:
-            self.metrics.update(values)
-            self._history.append((step, values))
+            self._history.append((step, validated, values))
+            self.metrics = self._metrics_at(step=None)
 
-    def _metrics_at(self, step: int) -> dict[str, float]:
+    def _metrics_at(self, step: int | None) -> dict[str, float]:
         """The newest value of each metric measured at or before ``step`` (what a
-        checkpoint of that step is reported with)."""
+        checkpoint of that step is reported with; None: all of them)."""
         merged: dict[str, float] = {}
-        for seen_step, values in sorted(self._history, key=lambda item: item[0]):
-            if seen_step <= step:
+        for seen_step, _, values in sorted(self._history, key=lambda item: item[:2]):
+            if step is None or seen_step <= step:
                 merged.update(values)
         return merged
 
