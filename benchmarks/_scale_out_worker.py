@@ -110,8 +110,11 @@ def _bnb_model(cfg: dict[str, Any], out: Path, rank: int) -> Any:
     accelerate only turns FSDP on for accelerator devices, so first ask accelerate itself
     what it does here; then try the same wrapping with ``fully_shard`` directly."""
     import peft
-    from accelerate import Accelerator
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from accelerate import Accelerator  # type: ignore[import-untyped]
+    from accelerate.utils import (  # type: ignore[import-untyped]
+        DistributedType,
+        FullyShardedDataParallelPlugin,
+    )
     from torch.distributed.fsdp import fully_shard
     from transformers import BitsAndBytesConfig, LlamaForCausalLM
 
@@ -136,7 +139,7 @@ def _bnb_model(cfg: dict[str, Any], out: Path, rank: int) -> Any:
         torch.manual_seed(0)
         LlamaForCausalLM(_config(cfg)).save_pretrained(path, is_main_process=True)
     dist.barrier()
-    quant = BitsAndBytesConfig(
+    quant = BitsAndBytesConfig(  # type: ignore[no-untyped-call]
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",
         bnb_4bit_use_double_quant=True,
@@ -151,6 +154,30 @@ def _bnb_model(cfg: dict[str, Any], out: Path, rank: int) -> Any:
         fully_shard(layer)
     fully_shard(model)
     return model
+
+
+def _bnb_quantized_bytes(model: Any) -> tuple[int, int]:
+    """The local shard of each ``Linear4bit`` weight (packed codes stored as bf16) plus its
+    ``QuantState`` (absmax, the double-quant statistics, the code table): bitsandbytes
+    keeps that state as plain tensors on the Python object, outside every parameter, so
+    FSDP never shards it and every rank holds all of it."""
+    from bitsandbytes.nn.modules import Linear4bit
+
+    weights = states = 0
+    for module in model.modules():
+        if not isinstance(module, Linear4bit):
+            continue
+        weights += _nbytes(module.weight)
+        state = getattr(module.weight, "quant_state", None) or getattr(module, "quant_state", None)
+        if state is not None:
+            states += _nbytes(_state_tensors(state))
+    return weights, states
+
+
+def _state_tensors(state: Any) -> list[torch.Tensor]:
+    tensors = [t for t in vars(state).values() if isinstance(t, torch.Tensor)]
+    nested = getattr(state, "state2", None)
+    return tensors + (_state_tensors(nested) if nested is not None else [])
 
 
 class Variant:
@@ -210,23 +237,16 @@ class Variant:
 
         params = sum(_nbytes(p) for p in self.model.parameters())
         if self.name == "bnb-fsdp2":
-            import bitsandbytes as bnb
-
-            quant = sum(
-                _nbytes(p)
-                for p in self.model.parameters()
-                if isinstance(_local(p), bnb.nn.Params4bit)
-            )
-            quant = quant or sum(
-                _nbytes(m.weight) for m in self.model.modules() if isinstance(m, bnb.nn.Linear4bit)
-            )
+            weights, states = _bnb_quantized_bytes(self.model)
+            quant = weights + states
+            params -= weights  # the packed codes are parameters, their state is not
         else:
             quant = local_quantized_nbytes(self.model)
         shardable_storage = any(
             isinstance(m, ShardableQuantizedLinear) for m in self.model.modules()
         )
-        # with shardable() (and for bnb) the quantized base is made of parameters
-        other = params - quant if shardable_storage or self.name == "bnb-fsdp2" else params
+        # with shardable() the whole quantized base is made of parameters
+        other = params - quant if shardable_storage else params
         state = sum(_nbytes(s) for s in self.optimizer.state.values())
         return {"quantized_bytes": quant, "param_bytes": other, "optimizer_bytes": state}
 
