@@ -29,9 +29,12 @@ def test_setup_outside_a_ray_train_worker_names_the_problem() -> None:
     assert "ray.train.get_context()" in str(info.value)
 
 
-def test_logs_option_is_validated() -> None:
+def test_options_are_validated() -> None:
     with pytest.raises(OptionError, match="logs"):
         RayReport(logs="yes")  # type: ignore[arg-type]
+    with pytest.raises(OptionError, match="name"):
+        RayReport(name="")
+    assert RayReport(name="ray2", logs=False).name == "ray2"
 
 
 def _loop(config: dict[str, Any]) -> None:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from sakura import OnEpochEnd, OnLog, OnTrainBegin, OnTrainEnd, OnValidationEnd, Service
 from sakura.events import Event
-from sakura.options import check_bool
+from sakura.options import check_bool, option_error
 from sakura.runtime import SakuraRuntime
 
 if TYPE_CHECKING:
@@ -81,6 +81,8 @@ class RayReport(Service):
     def __init__(self, *, logs: bool = True, name: str | None = None) -> None:
         self.logs = check_bool("logs", logs, owner="RayReport")
         if name is not None:
+            if not isinstance(name, str) or not name:
+                raise option_error("name", name, "a non-empty str", owner="RayReport")
             self.name = name
         self.rt: SakuraRuntime | None = None
         self.rank = 0
