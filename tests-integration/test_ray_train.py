@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +40,13 @@ def cluster() -> Any:
     # The training functions below travel to the workers by value: this test module is
     # not importable there.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # Ray refuses a temporary folder inside a virtualenv, which is where nox points TMPDIR;
+    # its workers then die at start and the run waits: give it a folder of its own in /tmp.
+    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=temp)
     yield ray
     ray.shutdown()
+    shutil.rmtree(temp, ignore_errors=True)
 
 
 def _data(rank: int) -> tuple[list[Any], dict[str, Any]]:

@@ -5,7 +5,10 @@ reaches Ray, once durable, with the metrics of its own step."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -96,9 +99,13 @@ def ray_cluster() -> Any:
     import ray.cloudpickle
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    # Ray refuses a temporary folder inside a virtualenv, which is where nox points TMPDIR;
+    # its workers then die at start and the run waits: give it a folder of its own in /tmp.
+    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, _temp_dir=temp)
     yield ray
     ray.shutdown()
+    shutil.rmtree(temp, ignore_errors=True)
 
 
 def test_only_durable_checkpoints_reach_ray_with_their_steps_metrics(
