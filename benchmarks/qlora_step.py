@@ -56,28 +56,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
-
-
-def _load_helpers() -> None:
-    """Load this folder's ``_common`` / ``_smollm2`` by path and keep the folder off
-    ``sys.path``: a ``kernels.py`` beside this script would otherwise shadow the ``kernels``
-    module that transformers and bitsandbytes probe for (a circular import at best)."""
-    import importlib.util
-
-    here = Path(__file__).resolve().parent
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
-    for name in ("_common", "_smollm2"):
-        if name not in sys.modules:
-            spec = importlib.util.spec_from_file_location(name, here / f"{name}.py")
-            assert spec is not None and spec.loader is not None
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
-            spec.loader.exec_module(module)
-
-
-_load_helpers()
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SIDES = ("bnb", "sakura", "gemm")

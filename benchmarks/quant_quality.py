@@ -62,33 +62,12 @@ import math
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
+from _common import write_json
+from _smollm2 import INSTALL_HINT, gguf_folder, stdlib_text
 
-def _load_helpers() -> None:
-    """Load this folder's ``_common`` / ``_smollm2`` by path and keep the folder off
-    ``sys.path``: a ``kernels.py`` beside this script would otherwise shadow the ``kernels``
-    module that transformers and bitsandbytes probe for (a circular import at best)."""
-    import importlib.util
-
-    here = Path(__file__).resolve().parent
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
-    for name in ("_common", "_smollm2"):
-        if name not in sys.modules:
-            spec = importlib.util.spec_from_file_location(name, here / f"{name}.py")
-            assert spec is not None and spec.loader is not None
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
-            spec.loader.exec_module(module)
-
-
-_load_helpers()
-
-from _common import write_json  # noqa: E402
-from _smollm2 import INSTALL_HINT, gguf_folder, stdlib_text  # noqa: E402
-
-from sakura_bench.measure import load_average, load_note, machine_note, summary  # noqa: E402
+from sakura_bench.measure import load_average, load_note, machine_note, summary
 
 EVAL_MODULES = ("json/decoder.py", "textwrap.py", "heapq.py", "bisect.py", "shlex.py")
 TRAIN_MODULES = ("csv.py", "fnmatch.py", "glob.py", "colorsys.py", "calendar.py")

@@ -5,6 +5,7 @@ host RAM; its exported state is a ``DTensor`` laid out like the parameter (what
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -12,6 +13,7 @@ import torch
 __all__ = ["as_like", "is_sharded", "local"]
 
 
+@functools.cache  # (asked per parameter per step)
 def _dtensor_type() -> Any:
     if not torch.distributed.is_available():
         return None
