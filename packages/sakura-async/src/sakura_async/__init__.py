@@ -26,6 +26,7 @@ _EXPORTS = {
     "find_checkpoints": "sakura_async.checkpoint.store",
     "load_latest": "sakura_async.checkpoint.store",
     "load_best": "sakura_async.checkpoint.store",
+    "OnCheckpointDurable": "sakura_async.checkpoint.durable",
     "InThreadDispatcher": "sakura_async.dispatch.inthread",
     "ThreadDispatcher": "sakura_async.dispatch.thread",
     "LocalDispatcher": "sakura_async.dispatch.local",

@@ -1,10 +1,12 @@
 """Asynchronous, atomic checkpoints: the :class:`AsyncCheckpoint` service and the on-disk
-store, and :class:`ShardedCheckpoint` (FSDP2 / DTensor state written with
-torch.distributed.checkpoint) (:func:`write_checkpoint`, :func:`load_latest`, :func:`load_best`,
+store, :class:`ShardedCheckpoint` (FSDP2 / DTensor state written with
+torch.distributed.checkpoint, which AsyncCheckpoint drives for a sharded model) and
+:class:`OnCheckpointDurable` (a checkpoint became durable) (:func:`write_checkpoint`, :func:`load_latest`, :func:`load_best`,
 :func:`find_checkpoints`)."""
 
 from __future__ import annotations
 
+from sakura_async.checkpoint.durable import OnCheckpointDurable
 from sakura_async.checkpoint.service import AsyncCheckpoint, parse_every
 from sakura_async.checkpoint.sharded import (
     ShardedCheckpoint,
@@ -24,6 +26,7 @@ from sakura_async.checkpoint.store import (
 __all__ = [
     "AsyncCheckpoint",
     "Checkpoint",
+    "OnCheckpointDurable",
     "ShardedCheckpoint",
     "find_checkpoints",
     "find_sharded",

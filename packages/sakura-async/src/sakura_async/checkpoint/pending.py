@@ -50,7 +50,11 @@ def current_cuda_stream(snapshot: Snapshot) -> Any:
 
 @dataclass
 class PendingWrite:
-    future: TaskFuture
-    snapshot: Snapshot
+    """A write in flight: the dispatcher's task and the snapshot it reads, or (``snapshot``
+    None) a sharded write, whose future is the ShardedCheckpoint's commit."""
+
+    future: TaskFuture | Future[Any]
+    snapshot: Snapshot | None
     step: int
     epoch: int
+    metric: float | None = None

@@ -9,6 +9,12 @@ normally or after Ctrl+C) waits for every write and raises
 :class:`~sakura_async.errors.CheckpointWriteError` if any failed, so a lost checkpoint is
 never silent.
 
+A model with DTensor parameters (FSDP2's ``fully_shard``) is written by every rank with
+torch.distributed.checkpoint through :class:`~sakura_async.checkpoint.sharded.
+ShardedCheckpoint` (the one implementation of that protocol: DCP's async save, a commit
+vote on a side gloo group, an atomic rename by rank 0).  Each finished checkpoint, full or
+sharded, is announced with :class:`~sakura_async.checkpoint.durable.OnCheckpointDurable`.
+
 Long file: one service class whose event handlers share one piece of state — the save
 schedule, the copy and the writes in flight, the best metric so far — and the order in
 which they touch it is the crash-safety argument. The parts without that state live beside
@@ -44,9 +50,17 @@ from sakura import (
 )
 from sakura.events import Event
 from sakura.loop import LoopContext
-from sakura.options import OptionError, check_bool, check_choice, check_int, option_error
+from sakura.options import (
+    OptionError,
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+    option_error,
+)
 from sakura.runtime import SakuraRuntime
 from sakura_async._model import unwrap_model
+from sakura_async.checkpoint.durable import OnCheckpointDurable, publish
 from sakura_async.checkpoint.encoding import FORMATS
 from sakura_async.checkpoint.pending import (
     PendingCopy,
@@ -55,8 +69,12 @@ from sakura_async.checkpoint.pending import (
     current_cuda_stream,
 )
 from sakura_async.checkpoint.schedule import parse_every
-from sakura_async.checkpoint.sharded import is_sharded
-from sakura_async.checkpoint.store import remove_stale_temporaries, write_checkpoint
+from sakura_async.checkpoint.sharded import ShardedCheckpoint, is_sharded, load_sharded
+from sakura_async.checkpoint.store import (
+    load_latest,
+    remove_stale_temporaries,
+    write_checkpoint,
+)
 from sakura_async.dispatch.base import Dispatcher
 from sakura_async.dispatch.resolve import DispatcherSlot
 from sakura_async.errors import CheckpointWriteError
@@ -79,6 +97,21 @@ def _describe(exc: BaseException) -> str:
     """``Type: message`` and the notes the error collected (the option and path)."""
     notes = getattr(exc, "__notes__", None) or []
     return "; ".join([f"{type(exc).__name__}: {exc}", *map(str, notes)])
+
+
+def _plain_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer under a framework's wrapper (Lightning's ``LightningOptimizer``,
+    accelerate's ``AcceleratedOptimizer``), which DCP's state-dict helpers need."""
+    import torch
+
+    for _ in range(3):
+        if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+            return optimizer
+        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+        if inner is None:
+            return optimizer
+        optimizer = inner
+    return optimizer
 
 
 class AsyncCheckpoint(Service):
@@ -122,8 +155,18 @@ class AsyncCheckpoint(Service):
             Lightning and Hugging Face adapters and ``DDPAdapter.step`` do); if an optimizer
             step arrives without it, that checkpoint is discarded with an ``OnError`` and
             overlapping is switched off.
-        ranks: ``"zero"`` (only rank 0 writes, the DDP norm) or ``"all"``.
+        ranks: ``"zero"`` (only rank 0 writes, the DDP norm) or ``"all"``.  A sharded
+            model is written by every rank whatever this says.
+        timeout_s: a sharded model only: how long a rank waits for the others in a write's
+            collectives before the write is reported as failed (a rank that died or never
+            came to the save), ``> 0``.
         name: the service name.
+
+    A model with DTensor parameters (FSDP2) is saved with torch.distributed.checkpoint by
+    every rank into ``<dir>/step-<N>`` (see :class:`~sakura_async.checkpoint.sharded.
+    ShardedCheckpoint`): ``every`` in epochs or steps, ``keep``, ``format="torch"``, no
+    ``state_provider``, ``compress`` or ``overlap``, one write in flight; :meth:`resume`
+    loads it at any world size.
     """
 
     name = "async_checkpoint"
@@ -150,6 +193,7 @@ class AsyncCheckpoint(Service):
         compress: int | None = None,
         overlap: bool = False,
         ranks: str = "zero",
+        timeout_s: float = 300.0,
         name: str | None = None,
     ) -> None:
         self.dir: str | None = None if dir is None else _check_dir(dir)
@@ -192,6 +236,13 @@ class AsyncCheckpoint(Service):
             )
         self.overlap: bool = check_bool("overlap", overlap, owner=_OWNER)
         self.ranks: str = check_choice("ranks", ranks, ("zero", "all"), owner=_OWNER)
+        self.timeout_s: float = check_number(
+            "timeout_s", timeout_s, minimum=0, min_inclusive=False, owner=_OWNER
+        )
+        self._sharded = False
+        """The model has DTensor parameters: every rank writes through ``_writer``."""
+        self._writer: ShardedCheckpoint | None = None
+        self._sharded_error: BaseException | None = None
         # A wrong type or a misspelt name fails here, not only at install.
         self._dispatch = DispatcherSlot(dispatcher, owner=_OWNER)
         if name is not None and (not isinstance(name, str) or not name):
@@ -280,6 +331,9 @@ class AsyncCheckpoint(Service):
     def teardown(self) -> None:
         self._barrier()
         self._collect(wait=True)
+        if self._writer is not None:
+            self._writer.close()  # nothing in flight any more: stops the committer thread
+            self._writer = None
         if self._copier is not None:
             self._copier.shutdown(wait=True)
             self._copier = None
@@ -362,8 +416,11 @@ class AsyncCheckpoint(Service):
         loop = getattr(event, "loop", None)
         if loop is not None:
             self._loop = loop
-        if self._on_rank():
+        if self._active():
             self._resolve_dir(event)
+        if self._sharded and self._check_sharded(event.step, event.epoch) and self.dir:
+            # Every rank is here: the writer's process group is created at the same point.
+            self._sharded_writer(event.step, event.epoch)
         self._last_step = event.step
         self._last_time = time.monotonic()
 
@@ -392,7 +449,9 @@ class AsyncCheckpoint(Service):
         )
 
     def _on_train_step_end(self, event: Any) -> None:
-        if self._pending and self._pending[0].future.done():
+        # A sharded write is collected only where every rank is (below, and in _save): a
+        # poll here would see it finished at different steps on different ranks.
+        if self._pending and not self._sharded and self._pending[0].future.done():
             self._collect(wait=False)
         unit = self.unit
         if unit == "steps":
@@ -403,7 +462,7 @@ class AsyncCheckpoint(Service):
 
     def _on_epoch_end(self, event: Any) -> None:
         self._remember(event)
-        self._collect(wait=False)
+        self._collect(wait=self._sharded)
         if not self._active():
             return
         if event.metrics and self.metric is not None and self.metric in event.metrics:
@@ -426,7 +485,7 @@ class AsyncCheckpoint(Service):
     # --- internals --------------------------------------------------------------------------
 
     def _active(self) -> bool:
-        return self._on_rank()
+        return self._sharded or self._on_rank()
 
     def _on_rank(self) -> bool:
         rt = self.rt
@@ -435,6 +494,8 @@ class AsyncCheckpoint(Service):
     def _remember(self, event: Any) -> None:
         model = getattr(event, "model", None)
         if model is not None:
+            if model is not self._model:
+                self._sharded = is_sharded(unwrap_model(model))
             self._model = model
         optimizer = getattr(event, "optimizer", None)
         if optimizer is not None:
@@ -541,12 +602,6 @@ class AsyncCheckpoint(Service):
                 "AsyncCheckpoint has seen no model yet (no OnTrainBegin/OnEpochEnd with a "
                 "model); pass state_provider=... to save something else"
             )
-        if is_sharded(unwrap_model(model)):
-            raise NotImplementedError(
-                "AsyncCheckpoint does not write FSDP2 / DTensor models (each rank holds only "
-                "its shard); use sakura_async.checkpoint.ShardedCheckpoint (DCP, every rank) "
-                "or pass state_provider=..."
-            )
         state: dict[str, Any] = {"model": unwrap_model(model).state_dict()}
         if self._optimizer is not None and hasattr(self._optimizer, "state_dict"):
             state["optimizer"] = self._optimizer.state_dict()
@@ -566,6 +621,9 @@ class AsyncCheckpoint(Service):
         if not self._active() or not self._require_dir(event.step, event.epoch):
             if snapshot is not None:
                 snapshot.release()
+            return
+        if self._sharded:
+            self._save_sharded(event, metric)
             return
         try:
             self._barrier()
@@ -594,6 +652,122 @@ class AsyncCheckpoint(Service):
             return
         self._submit_write(snapshot, event.step, epoch, metric)
         timing.copy_s = time.perf_counter() - t1
+
+    # --- sharded (FSDP2 / DTensor) models: every rank writes through ShardedCheckpoint -----
+
+    def _check_sharded(self, step: int, epoch: int) -> bool:
+        """Whether this configuration can write a sharded model; the first option that
+        cannot is reported once (OnError, then CheckpointWriteError at drain)."""
+        if self._sharded_error is not None:
+            return False
+        problem: tuple[str, Any, str] | None = None
+        if self.format != "torch":
+            problem = ("format", self.format, "'torch' for a sharded (FSDP2 / DTensor) model")
+        elif self.state_provider is not None:
+            problem = (
+                "state_provider",
+                self.state_provider,
+                "None for a sharded (FSDP2 / DTensor) model: every rank saves its own shards "
+                "of the model and optimizer",
+            )
+        elif self.compress:
+            problem = ("compress", self.compress, "None for a sharded (FSDP2 / DTensor) model")
+        elif self.overlap:
+            problem = (
+                "overlap",
+                self.overlap,
+                "False for a sharded (FSDP2 / DTensor) model (DCP stages the shards itself)",
+            )
+        elif self.unit in ("seconds", "best"):
+            problem = (
+                "every",
+                self.every,
+                "epochs or steps for a sharded (FSDP2 / DTensor) model: every rank must save "
+                "at the same step, which a clock or a metric seen on one rank cannot promise",
+            )
+        if problem is None:
+            return True
+        self._sharded_error = option_error(*problem, owner=_OWNER)
+        self._fail(self._sharded_error, step, epoch)
+        return False
+
+    def _sharded_writer(self, step: int, epoch: int) -> ShardedCheckpoint | None:
+        """The ShardedCheckpoint, created (a collective: every rank at the same point) at
+        training start, or at the first save of a model first seen later."""
+        if self._writer is None and self._sharded_error is None and self.dir is not None:
+            try:
+                self._writer = ShardedCheckpoint(
+                    self.dir, keep=self.keep, timeout_s=self.timeout_s, owner=_OWNER
+                )
+            except Exception as exc:  # no process group, or a rank never came
+                self._sharded_error = CheckpointWriteError(
+                    f"AsyncCheckpoint {self.name!r}: the sharded (FSDP2 / DTensor) "
+                    f"checkpointer could not be set up on rank {self._rank()} "
+                    f"({type(exc).__name__}: {exc}); no checkpoint will be written"
+                )
+                self._fail(self._sharded_error, step, epoch)
+        return self._writer
+
+    def _rank(self) -> int:
+        return 0 if self.rt is None else self.rt.rank
+
+    def _save_sharded(self, event: Any, metric: float | None) -> None:
+        """Every rank: collect the previous write (every rank does it here, at the same
+        step), then hand the model and optimizer to ShardedCheckpoint."""
+        if not self._check_sharded(event.step, event.epoch) or self.dir is None:
+            return
+        self._remember(event)
+        t0 = time.perf_counter()
+        self._collect(wait=True)
+        t1 = time.perf_counter()
+        writer = self._sharded_writer(event.step, event.epoch)
+        if writer is None:
+            return
+        try:
+            future = writer.save(
+                event.step, unwrap_model(self._model), _plain_optimizer(self._optimizer)
+            )
+        except Exception as exc:  # the ranks could not agree to start the write
+            self._fail(exc, event.step, event.epoch)
+            return
+        timing = SaveTiming(step=event.step, wait_s=t1 - t0)
+        timing.copy_s = time.perf_counter() - t1
+        self.timings.append(timing)
+        record = self._last_metric if metric is None else metric
+        self._pending.append(PendingWrite(future, None, event.step, event.epoch, record))
+        self._last_step = event.step
+        self._last_time = time.monotonic()
+
+    def resume(self, model: Any, optimizer: Any = None) -> int | None:
+        """Load the newest checkpoint of ``dir`` into ``model`` (and ``optimizer``); return
+        its step, or None when there is none.
+
+        A sharded (FSDP2 / DTensor) model loads the newest published ``step-<N>`` folder at
+        any world size (DCP reshards; every rank must call it).  Otherwise the newest
+        verified checkpoint (``format="torch"`` or ``"safetensors"``, loaded with
+        ``weights_only=True``) gives ``model`` its ``"model"`` entry and ``optimizer`` its
+        ``"optimizer"`` entry; the services' state (``"sakura"``) is left to
+        ``rt.load_state_dict``.
+        """
+        if self.dir is None:
+            raise option_error("dir", None, "the directory to resume from", owner=_OWNER)
+        target = unwrap_model(model)
+        if is_sharded(target):
+            return load_sharded(self.dir, target, _plain_optimizer(optimizer))
+        ckpt = load_latest(self.dir)
+        if ckpt is None:
+            return None
+        state = ckpt.state
+        if not isinstance(state, dict) or "model" not in state:
+            raise ValueError(
+                f"AsyncCheckpoint.resume: {ckpt.path} holds no 'model' entry (a loop's own "
+                f"checkpoint or a state_provider's tree); load it with load_latest and "
+                f"restore it yourself"
+            )
+        target.load_state_dict(state["model"])
+        if optimizer is not None and "optimizer" in state:
+            optimizer.load_state_dict(state["optimizer"])
+        return ckpt.step
 
     def _barrier(self) -> None:
         """Wait for an overlapped copy, then submit its write (before the weights change)."""
@@ -658,7 +832,7 @@ class AsyncCheckpoint(Service):
         except BaseException:
             snapshot.release()
             raise
-        self._pending.append(PendingWrite(future, snapshot, step, epoch))
+        self._pending.append(PendingWrite(future, snapshot, step, epoch, metric))
         self._last_step = step
         self._last_time = time.monotonic()
 
@@ -668,13 +842,43 @@ class AsyncCheckpoint(Service):
 
     def _collect_one(self) -> None:
         item = self._pending[0]
+        if item.snapshot is None:  # sharded: the writer's own wait collects it
+            self._pending.popleft()
+            writer = self._writer
+            try:
+                path = None if writer is None else writer.wait()
+            except BaseException as exc:
+                self._fail(exc, item.step, item.epoch)
+                return
+            if path is not None:
+                self._published(path, item, sharded=True)
+            return
         error = item.future.exception()  # waits for the oldest write
         self._pending.popleft()
         item.snapshot.release()
         if error is None:
-            self.saved.append(item.future.result())
+            self._published(item.future.result(), item, sharded=False)
         else:
             self._fail(error, item.step, item.epoch)
+
+    def _published(self, path: str, item: PendingWrite, *, sharded: bool) -> None:
+        """Record a durable checkpoint and announce it (OnCheckpointDurable)."""
+        self.saved.append(path)
+        rt = self.rt
+        if rt is None:
+            return
+        event = OnCheckpointDurable(
+            rank=rt.rank,
+            world_size=rt.world_size,
+            step=item.step,
+            epoch=item.epoch,
+            path=path,
+            format="dcp" if sharded else self.format,
+            sharded=sharded,
+            metric=item.metric,
+            source=self.name,
+        )
+        publish(rt, event)
 
     def _fail(self, error: BaseException, step: int, epoch: int) -> None:
         self.errors.append(error)

@@ -27,6 +27,11 @@ AsyncCheckpoint` for a model whose parameters are DTensors:
   rank that died or never joined the write makes the others' collectives time out, and the
   error is raised from the next :meth:`~ShardedCheckpoint.save` or from
   :meth:`~ShardedCheckpoint.wait` as :class:`~sakura_async.errors.CheckpointWriteError`.
+
+This class is the one implementation of the protocol: the
+:class:`~sakura_async.checkpoint.AsyncCheckpoint` service drives it when its model has
+DTensor parameters (it creates one at training start and collects each write with
+:meth:`~ShardedCheckpoint.wait` at points every rank reaches in the same order).
 """
 
 from __future__ import annotations
@@ -93,6 +98,21 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[st
     return state
 
 
+def _vote(error: BaseException | None) -> str | None:
+    """What a rank tells the others about its write: None for success, else the error in
+    one line (DCP's CheckpointException carries every rank's exception and traceback; the
+    exceptions are enough)."""
+    if error is None:
+        return None
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return "; ".join(
+            f"rank {rank}: {(value[0] if isinstance(value, tuple) else value)!r}"
+            for rank, value in sorted(failures.items())
+        )
+    return repr(error)
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -108,9 +128,11 @@ class ShardedCheckpoint:
         dir: the folder holding ``step-<N>`` checkpoints (the same path on every rank: a
             shared filesystem, or one machine).
         keep: how many published checkpoints to keep (oldest removed after a new one is
-            published), ``>= 1``.
+            published), ``>= 1``, or None to keep all.
         timeout_s: how long a collective of the checkpointer's side group may wait for the
             other ranks before the write is reported as failed, ``> 0``.
+        owner: the name error messages give for the options (AsyncCheckpoint passes its
+            own).
 
     Must be created on every rank after ``dist.init_process_group``, at the same point
     (``new_group`` is collective).
@@ -120,20 +142,21 @@ class ShardedCheckpoint:
         self,
         dir: str | os.PathLike[str],
         *,
-        keep: int = 2,
+        keep: int | None = 2,
         timeout_s: float = 300.0,
+        owner: str = _OWNER,
     ) -> None:
         if not isinstance(dir, (str, os.PathLike)) or not os.fspath(dir):
-            raise option_error("dir", dir, "a non-empty path (str or os.PathLike)", owner=_OWNER)
+            raise option_error("dir", dir, "a non-empty path (str or os.PathLike)", owner=owner)
         self.dir = os.path.abspath(os.fspath(dir))
-        self.keep: int = check_int("keep", keep, minimum=1, owner=_OWNER)
+        self.keep: int | None = check_int("keep", keep, minimum=1, allow_none=True, owner=owner)
         self.timeout_s: float = check_number(
-            "timeout_s", timeout_s, minimum=0, min_inclusive=False, owner=_OWNER
+            "timeout_s", timeout_s, minimum=0, min_inclusive=False, owner=owner
         )
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
-                "ShardedCheckpoint needs an initialized default process group "
-                "(call torch.distributed.init_process_group first)"
+                f"{owner} needs an initialized default process group to write a sharded "
+                "(DTensor) model (call torch.distributed.init_process_group first)"
             )
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -174,11 +197,16 @@ class ShardedCheckpoint:
         self._pending = self._committer.submit(self._commit, future, tmp, name)
         return self._pending
 
-    def wait(self) -> None:
-        """Wait for the write in flight; raise :class:`CheckpointWriteError` if it failed."""
+    @property
+    def writing(self) -> bool:
+        """Whether a write was started and not yet collected by :meth:`wait`."""
+        return self._pending is not None
+
+    def wait(self) -> str | None:
+        """Wait for the write in flight and return the folder it published (None when no
+        write was in flight); raise :class:`CheckpointWriteError` if it failed."""
         pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
+        return None if pending is None else pending.result()
 
     def close(self) -> None:
         """Wait for the write in flight (raising its error) and stop the committer."""
@@ -197,7 +225,7 @@ class ShardedCheckpoint:
             error = exc
         votes: list[Any] = [None] * self.world_size
         try:
-            dist.all_gather_object(votes, repr(error) if error else None, group=self._group)
+            dist.all_gather_object(votes, _vote(error), group=self._group)
         except BaseException as exc:  # a rank died or hung: the vote itself failed
             raise CheckpointWriteError(
                 f"sharded checkpoint {name!r} was not published: the ranks could not agree "
@@ -219,8 +247,9 @@ class ShardedCheckpoint:
                 shutil.rmtree(final)  # the same step saved again: the new write wins
             os.replace(tmp, final)
             _fsync_dir(self.dir)
-            for _, old in find_sharded(self.dir)[: -self.keep]:
-                shutil.rmtree(old, ignore_errors=True)
+            if self.keep is not None:
+                for _, old in find_sharded(self.dir)[: -self.keep]:
+                    shutil.rmtree(old, ignore_errors=True)
         dist.barrier(group=self._group)  # every rank sees the published folder
         return final
 
