@@ -126,6 +126,23 @@ def test_gated_activation_matches_hf_and_fp64(
     compare(ours, hf, exact, dtype)
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_gated_activation_is_right_far_from_zero(path: str, activation: str) -> None:
+    """The C++ path's own vector exp (AVX-512) clamps its argument: gates out to +-120 (exp
+    over- and underflowing) still give fp64's values and gradients, no NaN or inf."""
+    gate = torch.linspace(-120, 120, 4099).view(1, -1)  # 4099: vector chunks and a tail
+    up, grad = torch.ones_like(gate) * 0.5, torch.ones_like(gate)
+    hf_name = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}[activation]
+    act = ACT2FN[hf_name]
+    ours = run(lambda g, u: fused_glu(g, u, activation), [gate, up], grad)
+    exact = run(lambda g, u: act(g) * u, [gate.double(), up.double()], grad.double())
+    for o, e in zip(ours, exact, strict=True):
+        assert torch.isfinite(o).all()
+        # absolute, scaled per element by max(1, |exact|): tiny values count absolutely
+        err = ((o.double() - e).abs() / e.abs().clamp(min=1.0)).max()
+        assert err <= 2e-6, (activation, float(err))
+
+
 def test_the_cpp_path_and_the_torch_fallback_agree(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(3)
     x, w = torch.randn(50, 40, dtype=torch.float64), 1 + 0.2 * torch.randn(40, dtype=torch.float64)

@@ -6,8 +6,10 @@
 // round to nearest even).  The loops are written for the compiler's vectoriser: the build
 // uses -march=native, so they run as AVX-512 where the CPU has it, AVX2 otherwise, scalar
 // elsewhere; bf16 rounding uses AVX-512-BF16's vcvtneps2bf16 where the CPU has it.
-// The activation loops call expf / tanhf under `omp simd`, which glibc's libmvec serves
-// with vector versions (within a few ulps).
+// The activations need exp: on AVX-512 a 16-lane exp of our own (exp_ps below, within 2 ulps
+// of expf); glibc's vector expf (libmvec) is only used by the compiler under -ffast-math,
+// which this build does not use, so a plain `omp simd` loop over std::exp stays scalar (it
+// made SwiGLU several times slower than torch's).  Elsewhere the scalar std::exp.
 // -ffp-contract=off keeps the compiler from fusing a*b+c: each product rounds as torch's.
 //
 // The RMSNorm weight gradient is summed in a fixed order: rows in fixed blocks of
@@ -17,7 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -185,6 +187,89 @@ inline void act_and_grad(float g, int kind, float& value, float& slope) {
     slope = 0.5f * (1.0f + t) + 0.5f * g * (1.0f - t * t) * GELU_C * (1.0f + 3.0f * GELU_K * g * g);
 }
 
+#if defined(__AVX512F__)
+// exp(x) for 16 lanes: x = n ln2 + r, |r| <= ln2 / 2 (Cody-Waite, two-part ln2), exp(r) by
+// Cephes' degree-7 polynomial, times 2^n by vscalefps (which also gives 0 / inf past the
+// range).  Within 2 ulps of expf over the clamped range.
+inline __m512 exp_ps(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-103.0f)), _mm512_set1_ps(88.8f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+// The same formulas as act / act_and_grad, 16 lanes at a time; returns how many elements
+// it did (a multiple of 16), the caller finishes the tail with the scalar code.
+inline int64_t glu_forward_vec(const float* g, const float* u, float* o, int64_t len, int kind) {
+    const __m512 one = _mm512_set1_ps(1.0f), half = _mm512_set1_ps(0.5f);
+    int64_t i = 0;
+    for (; i + 16 <= len; i += 16) {
+        const __m512 gv = _mm512_loadu_ps(g + i);
+        __m512 value;
+        if (kind == 0) {
+            value = _mm512_div_ps(gv, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+        } else {
+            const __m512 z = _mm512_mul_ps(
+                _mm512_set1_ps(GELU_C),
+                _mm512_add_ps(gv, _mm512_mul_ps(_mm512_set1_ps(GELU_K), _mm512_mul_ps(_mm512_mul_ps(gv, gv), gv))));
+            const __m512 t = _mm512_sub_ps(
+                one, _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(exp_ps(_mm512_add_ps(z, z)), one)));
+            value = _mm512_mul_ps(_mm512_mul_ps(half, gv), _mm512_add_ps(one, t));
+        }
+        _mm512_storeu_ps(o + i, _mm512_mul_ps(value, _mm512_loadu_ps(u + i)));
+    }
+    return i;
+}
+
+inline int64_t glu_backward_vec(const float* d, const float* g, const float* u, float* dg,
+                                float* du, int64_t len, int kind) {
+    const __m512 one = _mm512_set1_ps(1.0f), half = _mm512_set1_ps(0.5f);
+    int64_t i = 0;
+    for (; i + 16 <= len; i += 16) {
+        const __m512 gv = _mm512_loadu_ps(g + i), dv = _mm512_loadu_ps(d + i);
+        __m512 value, slope;
+        if (kind == 0) {
+            const __m512 e1 = _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
+            const __m512 sig = _mm512_div_ps(one, e1);
+            value = _mm512_div_ps(gv, e1);
+            slope = _mm512_mul_ps(sig, _mm512_add_ps(one, _mm512_mul_ps(gv, _mm512_sub_ps(one, sig))));
+        } else {
+            const __m512 g2 = _mm512_mul_ps(gv, gv);
+            const __m512 z = _mm512_mul_ps(
+                _mm512_set1_ps(GELU_C),
+                _mm512_add_ps(gv, _mm512_mul_ps(_mm512_set1_ps(GELU_K), _mm512_mul_ps(g2, gv))));
+            const __m512 t = _mm512_sub_ps(
+                one, _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(exp_ps(_mm512_add_ps(z, z)), one)));
+            const __m512 onept = _mm512_add_ps(one, t);
+            value = _mm512_mul_ps(_mm512_mul_ps(half, gv), onept);
+            const __m512 inner = _mm512_mul_ps(
+                _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(half, gv), _mm512_sub_ps(one, _mm512_mul_ps(t, t))),
+                              _mm512_set1_ps(GELU_C)),
+                _mm512_add_ps(one, _mm512_mul_ps(_mm512_set1_ps(3.0f * GELU_K), g2)));
+            slope = _mm512_add_ps(_mm512_mul_ps(half, onept), inner);
+        }
+        _mm512_storeu_ps(dg + i, _mm512_mul_ps(_mm512_mul_ps(dv, _mm512_loadu_ps(u + i)), slope));
+        _mm512_storeu_ps(du + i, _mm512_mul_ps(dv, value));
+    }
+    return i;
+}
+#else
+inline int64_t glu_forward_vec(const float*, const float*, float*, int64_t, int) { return 0; }
+inline int64_t glu_backward_vec(const float*, const float*, const float*, float*, float*, int64_t,
+                                int) {
+    return 0;
+}
+#endif
+
 constexpr int64_t CHUNK = 1024;
 
 template <typename T>
@@ -198,8 +283,8 @@ void glu_forward(const T* gate, const T* up, T* out, int64_t n, int kind) {
             const int64_t start = c * CHUNK, len = n - start < CHUNK ? n - start : CHUNK;
             load_row(gate + start, g, len);
             load_row(up + start, u, len);
-#pragma omp simd
-            for (int64_t i = 0; i < len; ++i) o[i] = act(g[i], kind) * u[i];
+            for (int64_t i = glu_forward_vec(g, u, o, len, kind); i < len; ++i)
+                o[i] = act(g[i], kind) * u[i];
             store_row(o, out + start, len);
         }
     }
@@ -218,8 +303,7 @@ void glu_backward(const T* grad, const T* gate, const T* up, T* dgate, T* dup, i
             load_row(grad + start, d, len);
             load_row(gate + start, g, len);
             load_row(up + start, u, len);
-#pragma omp simd
-            for (int64_t i = 0; i < len; ++i) {
+            for (int64_t i = glu_backward_vec(d, g, u, dg, du, len, kind); i < len; ++i) {
                 float value, slope;
                 act_and_grad(g[i], kind, value, slope);
                 dg[i] = d[i] * u[i] * slope;
