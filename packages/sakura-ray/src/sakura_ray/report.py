@@ -6,11 +6,14 @@ Ray's rules (``ray.train.report``) shape the design:
   happen only at points every rank reaches together — the end of each epoch and the end of
   training — never when an asynchronous result happens to arrive on one rank;
 * only rank 0's metrics are kept, and a checkpoint is registered when any worker passes
-  one: AsyncCheckpoint writes on rank 0 (``ranks="zero"``), so rank 0 passes its
-  directory and the other ranks pass None in the same call;
+  one: rank 0 passes the directory and the other ranks pass None in the same call (a full
+  checkpoint is written by rank 0 alone, ``ranks="zero"``; a sharded one, on a folder every
+  rank shares, is announced on every rank and passed by rank 0);
 * a checkpoint is copied to Ray's storage during the call, so only a directory whose write
-  is durable (AsyncCheckpoint lists it in ``saved`` after the rename and the directory
-  fsync) is ever passed; one still being written waits for the next report point.
+  is durable is ever passed: RayReport subscribes to sakura-async's
+  :class:`~sakura_async.checkpoint.durable.OnCheckpointDurable` (published after the rename
+  and the directory fsync; for a sharded checkpoint after every rank's vote) and queues each
+  one until the next report point.
 
 Several checkpoints may become durable between two report points (the one of the last
 epoch is waited for at the end of training); each gets a report of its own, and the ranks
@@ -21,15 +24,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from sakura import OnEpochEnd, OnLog, OnTrainBegin, OnTrainEnd, OnValidationEnd, Service
+from sakura import OnEpochEnd, OnLog, OnTrainEnd, OnValidationEnd, Service
 from sakura.events import Event
 from sakura.options import check_bool, option_error
 from sakura.runtime import SakuraRuntime
-
-if TYPE_CHECKING:
-    from sakura_async.checkpoint import Checkpoint
+from sakura_async.checkpoint.durable import OnCheckpointDurable
 
 __all__ = ["RayReport", "in_ray_train_worker"]
 
@@ -65,7 +66,8 @@ class RayReport(Service):
     worker.  At each epoch end and at the end of training every rank calls
     ``ray.train.report`` with the newest metrics seen (``OnValidationEnd`` — AsyncEval's
     results — and ``OnLog``) plus ``step`` and ``epoch``; rank 0 attaches, one report
-    each, the AsyncCheckpoint directories that became durable since the last report.
+    each, the AsyncCheckpoint directories announced durable (``OnCheckpointDurable``)
+    since the last report.
 
     Args:
         logs: also take the loop's logged values (``OnLog``) as metrics.
@@ -76,7 +78,7 @@ class RayReport(Service):
 
     name = "ray_report"
     priority = 90  # after AsyncCheckpoint (70), which collects finished writes first
-    event_types = frozenset({OnTrainBegin, OnValidationEnd, OnLog, OnEpochEnd, OnTrainEnd})
+    event_types = frozenset({OnValidationEnd, OnLog, OnEpochEnd, OnTrainEnd, OnCheckpointDurable})
 
     def __init__(self, *, logs: bool = True, name: str | None = None) -> None:
         self.logs = check_bool("logs", logs, owner="RayReport")
@@ -94,7 +96,8 @@ class RayReport(Service):
         self.reports = 0
         """How many times ``ray.train.report`` was called on this rank."""
         self._history: list[tuple[int, bool, dict[str, float]]] = []
-        self._seen: dict[int, int] = {}  # id(AsyncCheckpoint) -> len(saved) already handled
+        self._durable: list[OnCheckpointDurable] = []
+        """Checkpoints announced durable since the last report point."""
 
     def setup(self, runtime: SakuraRuntime) -> None:
         where = in_ray_train_worker()
@@ -111,13 +114,13 @@ class RayReport(Service):
         self.rt = None
 
     def on_event(self, event: Event) -> None:
-        if isinstance(event, OnValidationEnd):
+        if isinstance(event, OnCheckpointDurable):
+            self._durable.append(event)
+        elif isinstance(event, OnValidationEnd):
             self._take(event.step, event.metrics, validated=True)
         elif isinstance(event, OnLog):
             if self.logs:
                 self._take(event.step, event.logs)
-        elif isinstance(event, OnTrainBegin):
-            self._seen = {id(s): len(s.saved) for s in self._checkpointers()}
         else:  # OnEpochEnd, OnTrainEnd: points every rank reaches together
             self._take(event.step, getattr(event, "metrics", None))
             self._report(event.step, event.epoch)
@@ -146,26 +149,13 @@ class RayReport(Service):
                 merged.update(values)
         return merged
 
-    def _checkpointers(self) -> list[Any]:
-        from sakura_async.checkpoint import AsyncCheckpoint
-
-        rt = self.rt
-        return [] if rt is None else [s for s in rt.services if isinstance(s, AsyncCheckpoint)]
-
-    def _durable(self) -> list[Checkpoint]:
-        """Checkpoints AsyncCheckpoint finished writing since the last report (that
-        retention has not removed meanwhile), oldest first."""
-        from sakura_async.checkpoint import find_checkpoints
-
-        found: list[Checkpoint] = []
-        for service in self._checkpointers():
-            start = self._seen.get(id(service), 0)
-            new = service.saved[start:]
-            self._seen[id(service)] = len(service.saved)
-            for root in dict.fromkeys(os.path.dirname(d) for d in new):
-                listed = {os.path.realpath(c.path): c for c in find_checkpoints(root)}
-                found.extend(listed[real] for d in new if (real := os.path.realpath(d)) in listed)
-        return sorted(found, key=lambda c: c.step)
+    def _take_durable(self) -> list[OnCheckpointDurable]:
+        """The checkpoints announced since the last report that this rank passes to Ray
+        (rank 0's share of a sharded one; none that retention removed meanwhile), oldest
+        first."""
+        announced, self._durable = self._durable, []
+        mine = [e for e in announced if not e.sharded or self.rank == 0]
+        return sorted((e for e in mine if os.path.isdir(e.path)), key=lambda e: e.step)
 
     def _agreed_count(self, mine: int) -> int:
         """How many reports every rank makes now: the most any rank needs."""
@@ -185,7 +175,7 @@ class RayReport(Service):
         newest checkpoint is of this step) the current metrics without one."""
         import ray.train
 
-        checkpoints = self._durable()
+        checkpoints = self._take_durable()
         current = checkpoints and checkpoints[-1].step == step
         mine = len(checkpoints) + (0 if current else 1)
         for i in range(self._agreed_count(mine)):
