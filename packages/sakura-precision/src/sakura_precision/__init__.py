@@ -7,7 +7,9 @@ checkpointing, as sakura services.
 
 or through the core facade, ``from sakura.services import MixedPrecision``, or by spec
 string: ``mixed_precision:bf16``, ``mixed_precision:fp16``, ``compile``,
-``compile:mode=max-autotune``, ``activation_checkpoint``.
+``compile:mode=max-autotune``, ``activation_checkpoint``.  Under FSDP2,
+``fully_shard(module, mp_policy=fsdp_mp_policy("bf16-mixed"))`` (see
+:mod:`sakura_precision.fsdp`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ _EXPORTS = {
     "ActivationCheckpoint": "sakura_precision.activation_checkpoint",
     "Float8Linear": "sakura_precision.float8_linear",
     "find_blocks": "sakura_torch.blocks",
+    "fsdp_mp_policy": "sakura_precision.fsdp",
     "resolve_mode": "sakura_precision.modes",
 }
 

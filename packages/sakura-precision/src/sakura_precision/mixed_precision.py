@@ -23,10 +23,18 @@ mode                        class and hooks
 So bf16 runs under the stock Hugging Face Trainer with only ``HFAdapter`` (autocast is
 applied by the callback), while fp16, which owns the optimizer step, needs
 ``SakuraTrainer``; under Lightning every mode works through ``LightningAdapter``.
+
+Under FSDP2 (``fully_shard``) the services read the model's ``MixedPrecisionPolicy``: see
+:mod:`sakura_precision.fsdp` (no autocast on top of a policy that already casts, an error
+for one that conflicts, autocast kept where no policy casts).
+
+Long file: the four mode classes share the base's options, device and FSDP2 bookkeeping;
+the parts that stand alone are in :mod:`.modes`, :mod:`.fsdp` and :mod:`.float8_linear`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
@@ -40,6 +48,7 @@ from sakura.events import OnFitBegin, OnPredictBegin, OnTestBegin, OnTrainBegin,
 from sakura.options import check_bool, check_choice, check_int, check_number, option_error
 from sakura.proxies import unwrap_optimizer
 from sakura_precision.float8_linear import check_fp8_hardware, convert_to_float8
+from sakura_precision.fsdp import fsdp_casting, fsdp_modules, fsdp_mp_policy
 from sakura_precision.modes import Mode, resolve_mode
 
 __all__ = [
@@ -58,6 +67,7 @@ _SCALER_DEFAULTS = {
     "growth_interval": 2000,
 }
 _FP8_DEFAULTS: dict[str, Any] = {"emulate": False, "fp8_filter": None}
+_NO_AUTOCAST = contextlib.nullcontext()
 
 
 def _model_device_type(model: Any) -> str | None:
@@ -179,6 +189,22 @@ class MixedPrecision(Service):
     def __repr__(self) -> str:
         return f"MixedPrecision({self.mode.name!r})"
 
+    def fsdp_mp_policy(self, *, cast_forward_inputs: bool = True) -> Any:
+        """The ``MixedPrecisionPolicy`` of this mode for ``fully_shard(mp_policy=...)``
+        (:func:`sakura_precision.fsdp.fsdp_mp_policy`); with it the service stops
+        autocasting the parameters the policy casts."""
+        return fsdp_mp_policy(self.mode, cast_forward_inputs=cast_forward_inputs)
+
+    fsdp_reason: str | None = None
+    """What the service does about FSDP2 on the model it last saw (None: no FSDP2 module)."""
+    _fsdp_casts = False  # FSDP2's policies compute every parameter in the dtype
+
+    def _learn_fsdp(self, model: Any) -> None:
+        """Read the FSDP2 policies of ``model`` (raises on one that conflicts)."""
+        found = fsdp_casting(model, self.mode, owner=repr(self))
+        if found is not None:
+            self._fsdp_casts, self.fsdp_reason = found.covers_all, found.reason
+
     # --- device bookkeeping ------------------------------------------------------------
 
     def _learn_device(self, model: Any) -> None:
@@ -221,14 +247,20 @@ class AutocastPrecision(MixedPrecision):
     )
 
     def wrap_model(self, model: Any) -> Any:
-        """Learns the model's device type; the model is returned unchanged."""
+        """Learns the model's device type and FSDP2 policies; the model is returned
+        unchanged."""
         self._learn_device(model)
+        self._learn_fsdp(model)
         return model
 
     def on_event(self, event: Any) -> None:
-        self._learn_device(getattr(event, "model", None))
+        model = getattr(event, "model", None)
+        self._learn_device(model)
+        self._learn_fsdp(model)
 
     def autocast(self) -> AbstractContextManager[Any]:
+        if self._fsdp_casts:
+            return _NO_AUTOCAST  # FSDP2's mp_policy already computes in self.dtype
         device_type = self.device_type
         if device_type != self._checked_device:
             self._check_device(device_type)
@@ -526,7 +558,8 @@ class TruePrecision(MixedPrecision):
                 f"MixedPrecision({self.requested!r}) needs a torch.nn.Module, got "
                 f"{type(model).__name__}"
             )
-        model.to(self.dtype)
+        self._learn_fsdp(model)  # a conflicting FSDP2 policy is refused before any cast
+        model.to(self.dtype)  # (FSDP2's own _apply re-registers the sharded parameters)
         if getattr(model, _MARK, None) is not None:
             return model
         dtype = self.dtype
@@ -577,6 +610,13 @@ class FP8Precision(AutocastPrecision):
     def wrap_model(self, model: Any) -> Any:
         if not isinstance(model, nn.Module):
             raise TypeError(f"MixedPrecision('fp8') needs a torch.nn.Module, got {type(model)}")
+        if fsdp_modules(model):
+            raise NotImplementedError(
+                "MixedPrecision('fp8') on a model sharded by FSDP2 (fully_shard) is not "
+                "supported: Float8Linear is untested over DTensor weights; use "
+                "MixedPrecision('bf16-mixed') with fully_shard(mp_policy="
+                "sakura_precision.fsdp_mp_policy('bf16-mixed'))"
+            )
         self._learn_device(model)
         if not self.emulate:
             # The model may still be on the CPU here (Lightning moves it later): check the
