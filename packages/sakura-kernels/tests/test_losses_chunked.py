@@ -369,3 +369,65 @@ def test_llama_head_that_is_not_a_linear_is_refused() -> None:
         causal_lm_loss(model, **llama_batch())
     with pytest.raises(OptionError, match="a transformers \\*ForCausalLM"):
         causal_lm_loss(torch.nn.Linear(2, 2), **llama_batch())
+
+
+def test_frozen_bf16_head_gradient_from_the_forward_is_as_close_to_fp64_as_autograd() -> None:
+    """A frozen bf16 head (QLoRA): the gradient comes from the forward (the C++ pass over the
+    bf16 logits); loss as the full loss, hidden gradient as close to fp64 as autograd's."""
+    hidden, weight, _, labels = inputs()
+    hidden, weight = hidden.bfloat16(), weight.bfloat16()
+    targets = shift_causal_labels(labels)
+    h0 = hidden.double().requires_grad_(True)
+    exact_loss = full_loss(h0, weight.double(), None, targets)
+    (exact,) = torch.autograd.grad(exact_loss, [h0])
+    h1, h2 = leaves(hidden, hidden)
+    ref = full_loss(h1, weight, None, targets)
+    (ref_grad,) = torch.autograd.grad(ref, [h1])
+    got = chunked_causal_lm_loss(h2, weight, labels, chunk_size=7)
+    (got_grad,) = torch.autograd.grad(got, [h2])
+    assert got_grad.dtype == torch.bfloat16
+    assert abs(got.item() - ref.item()) <= 1e-5
+    got_err = (got_grad.double() - exact).norm()
+    ref_err = (ref_grad.double() - exact).norm()
+    assert got_err <= 1.5 * ref_err + 1e-6, (float(got_err), float(ref_err))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cross_entropy_kernel_equals_the_torch_path(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sakura_kernels.blocks._native import CPU_LIBRARY, NO_KERNEL_ENV
+    from sakura_kernels.losses.chunked import _xent_chunk
+
+    assert CPU_LIBRARY.load(required=True) is not None
+    g = torch.Generator().manual_seed(5)
+    raw = (torch.randn(9, 1003, generator=g) * 4).to(dtype)  # 1003: vector lanes and a tail
+    targets = torch.randint(0, 1003, (9,), generator=g)
+    valid = torch.ones(9, dtype=torch.bool)
+    valid[3] = False
+    native = _xent_chunk(raw.clone(), targets, valid, want_grad=True)
+    monkeypatch.setenv(NO_KERNEL_ENV, "1")
+    fallback = _xent_chunk(raw.clone(), targets, valid, want_grad=True)
+    assert native[2] is not None and fallback[2] is not None
+    assert native[2].dtype == dtype and torch.all(native[2][3] == 0)
+    assert torch.allclose(native[0], fallback[0], rtol=0, atol=2e-6)  # log-sum-exp
+    assert torch.equal(native[1][valid], fallback[1][valid])  # the picked logits
+    tol = 2e-6 if dtype == torch.float32 else 4e-3  # softmax - onehot: one bf16 rounding
+    assert (native[2].float() - fallback[2].float()).abs().max() <= tol
+
+
+def test_a_frozen_head_keeps_only_a_tokens_by_hidden_gradient() -> None:
+    tokens, vocab, hidden_size, chunk = 2 * 96, 500, 8, 16
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 96, hidden_size, generator=g)
+    weight = torch.randn(vocab, hidden_size, generator=g)
+    labels = torch.randint(0, vocab, (2, 96), generator=g)
+
+    def chunked() -> torch.Tensor:
+        return chunked_causal_lm_loss(
+            hidden.clone().requires_grad_(True), weight, labels, chunk_size=chunk
+        )
+
+    saved, allocated = _peaks(chunked)
+    assert saved == tokens * hidden_size  # the gradient per unit loss; no logits
+    assert allocated <= max(chunk * vocab, vocab * hidden_size)

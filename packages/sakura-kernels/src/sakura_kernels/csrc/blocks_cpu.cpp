@@ -1,6 +1,7 @@
 // Fused decoder-block kernels for the CPU (sakura_kernels.blocks): RMSNorm forward and
 // backward, rotary embedding forward and backward, SwiGLU / GeGLU (gelu tanh) forward and
-// backward.  Plain C ABI, no torch headers (sakura_torch.native.NativeLibrary).
+// backward; and the softmax cross-entropy of rows of logits (sakura_kernels.losses: the
+// log-sum-exp, the picked logit and the gradient written over the logits).  Plain C ABI, no torch headers (sakura_torch.native.NativeLibrary).
 //
 // Every element is computed in fp32 and rounded once to its storage type (fp32 or bf16,
 // round to nearest even).  The loops are written for the compiler's vectoriser: the build
@@ -315,11 +316,78 @@ void glu_backward(const T* grad, const T* gate, const T* up, T* dgate, T* dup, i
     }
 }
 
+// Cross-entropy over rows of logits (vocab v), fp32 math: lse[r] = log sum exp(x), picked[r]
+// = x[target]; with write_grad, the row is overwritten by d loss_r / d x = softmax(x) -
+// onehot(target), rounded once to T (a row whose target is negative, ignored, by zeros).
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(uint16_t* p, __m512 v) {
+#if defined(__AVX512BF16__)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+#else
+    alignas(64) float tmp[16];
+    _mm512_store_ps(tmp, v);
+    for (int i = 0; i < 16; ++i) p[i] = f32_to_bf16(tmp[i]);
+#endif
+}
+#endif
+inline float to_f32(float v) { return v; }
+inline float to_f32(uint16_t v) { return bf16_to_f32(v); }
+inline void from_f32(float v, float* p) { *p = v; }
+inline void from_f32(float v, uint16_t* p) { *p = f32_to_bf16(v); }
+
+template <typename T>
+void xent_rows(T* logits, int64_t rows, int64_t v, const int64_t* targets, float* lse,
+               float* picked, bool write_grad) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        T* x = logits + r * v;
+        int64_t i = 0;
+        float m = -INFINITY, sum = 0.0f;
+#if defined(__AVX512F__)
+        __m512 mv = _mm512_set1_ps(-INFINITY);
+        for (; i + 16 <= v; i += 16) mv = _mm512_max_ps(mv, load16(x + i));
+        m = _mm512_reduce_max_ps(mv);
+#endif
+        for (; i < v; ++i) m = to_f32(x[i]) > m ? to_f32(x[i]) : m;
+        i = 0;
+#if defined(__AVX512F__)
+        const __m512 mb = _mm512_set1_ps(m);
+        __m512 sv = _mm512_setzero_ps();
+        for (; i + 16 <= v; i += 16) sv = _mm512_add_ps(sv, exp_ps(_mm512_sub_ps(load16(x + i), mb)));
+        sum = _mm512_reduce_add_ps(sv);
+#endif
+        for (; i < v; ++i) sum += std::exp(to_f32(x[i]) - m);
+        const float l = m + std::log(sum);
+        const int64_t t = targets[r];
+        lse[r] = l;
+        picked[r] = t >= 0 ? to_f32(x[t]) : 0.0f;
+        if (!write_grad) continue;
+        if (t < 0) {
+            std::memset(static_cast<void*>(x), 0, sizeof(T) * v);
+            continue;
+        }
+        const float at_target = std::exp(to_f32(x[t]) - l) - 1.0f;
+        i = 0;
+#if defined(__AVX512F__)
+        const __m512 lb = _mm512_set1_ps(l);
+        for (; i + 16 <= v; i += 16) store16(x + i, exp_ps(_mm512_sub_ps(load16(x + i), lb)));
+#endif
+        for (; i < v; ++i) from_f32(std::exp(to_f32(x[i]) - l), x + i);
+        from_f32(at_target, x + t);
+    }
+}
+
 }  // namespace
 
 extern "C" {
 
-int sakura_kernels_blocks_abi_version(void) { return 1; }
+int sakura_kernels_blocks_abi_version(void) { return 2; }
 
 // dtype: 0 = fp32, 1 = bf16.  Returns 0, or -1 when an argument is out of range.
 int sakura_blocks_rmsnorm_forward(int dtype, const void* x, const void* w, void* y, float* rstd,
@@ -395,6 +463,22 @@ int sakura_blocks_glu_backward(int dtype, int kind, const void* grad, const void
         glu_backward(static_cast<const uint16_t*>(grad), static_cast<const uint16_t*>(gate),
                      static_cast<const uint16_t*>(up), static_cast<uint16_t*>(dgate),
                      static_cast<uint16_t*>(dup), n, kind);
+    else
+        return BAD_ARGUMENTS;
+    return 0;
+}
+
+// logits: (rows, v) fp32 (dtype 0) or bf16 (1), contiguous, overwritten by the gradient when
+// write_grad; targets in [0, v) or negative (ignored).
+int sakura_xent_rows(int dtype, void* logits, int64_t rows, int64_t v, const int64_t* targets,
+                     float* lse, float* picked, int write_grad) {
+    if (rows < 0 || v <= 0) return BAD_ARGUMENTS;
+    for (int64_t r = 0; r < rows; ++r)
+        if (targets[r] >= v) return BAD_ARGUMENTS;
+    if (dtype == 0)
+        xent_rows(static_cast<float*>(logits), rows, v, targets, lse, picked, write_grad != 0);
+    else if (dtype == 1)
+        xent_rows(static_cast<uint16_t*>(logits), rows, v, targets, lse, picked, write_grad != 0);
     else
         return BAD_ARGUMENTS;
     return 0;

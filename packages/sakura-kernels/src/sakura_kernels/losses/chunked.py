@@ -3,9 +3,19 @@
 A causal LM's head turns ``tokens x hidden`` into ``tokens x vocab`` logits, and for a long
 sequence and a large vocabulary that one tensor (kept for backward, in fp32) is often the
 largest of the step.  :func:`chunked_causal_lm_loss` computes the logits of ``chunk_size``
-tokens at a time, keeps of each chunk only one number per token (its log-sum-exp) and
-recomputes the chunk's logits in backward, so at most one chunk's logits (and the
-temporaries of one chunk) exist at any time.
+tokens at a time and keeps of each chunk only one number per token (its log-sum-exp), so
+at most one chunk's logits (and the temporaries of one chunk) exist at any time.
+
+When the head is frozen (its weight and bias need no gradient: LoRA, QLoRA) and the hidden
+states need one, the gradient is computed in the forward, chunk by chunk, as Liger Kernel's
+fused linear cross-entropy does: ``d loss_i / d hidden_i = g_i * (softmax(logits_i) -
+onehot(t_i)) @ W`` is linear in the incoming per-token gradient ``g_i``, so the forward keeps
+``(softmax - onehot) @ W`` (``tokens x hidden``) and the backward only scales its rows: no
+logits are recomputed.  Otherwise (a trained head) the backward recomputes each chunk's
+logits.  On the CPU the log-sum-exp, the picked logit and ``softmax - onehot`` of a chunk
+come from one C++ pass over its logits in the matmul's dtype (``sakura_xent_rows`` in
+``csrc/blocks_cpu.cpp``: fp32 math, AVX-512, written over the logits), not from an fp32
+copy of them.
 
 Semantics are those of transformers' ``ForCausalLMLoss``:
 
@@ -78,6 +88,58 @@ def shift_causal_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch
     return F.pad(labels, (0, 1), value=ignore_index)[..., 1:].contiguous()
 
 
+def _xent_chunk(
+    raw: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, want_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(lse, picked, grad)`` of one chunk of logits ``raw`` (rows x vocab, the matmul's
+    dtype): the fp32 log-sum-exp and target logit of each row and, with ``want_grad``,
+    ``softmax - onehot(target)`` in ``raw``'s dtype (zero rows where not ``valid``; ``raw``'s
+    storage may be reused for it).  ``targets`` are valid indices everywhere (0 where not
+    ``valid``)."""
+    lib = _xent_library(raw)
+    if lib is not None:
+        raw = raw.contiguous()
+        rows, vocab = raw.shape
+        marked = torch.where(valid, targets, torch.full_like(targets, -1)).contiguous()
+        lse = torch.empty(rows, dtype=torch.float32, device=raw.device)
+        picked = torch.empty(rows, dtype=torch.float32, device=raw.device)
+        status = lib.sakura_xent_rows(
+            0 if raw.dtype == torch.float32 else 1,
+            raw.data_ptr(),
+            rows,
+            vocab,
+            marked.data_ptr(),
+            lse.data_ptr(),
+            picked.data_ptr(),
+            int(want_grad),
+        )
+        if status != 0:
+            raise RuntimeError("sakura-kernels: the C++ cross-entropy kernel refused its arguments")
+        return lse, picked, raw if want_grad else None
+    dtype = raw.dtype
+    logits = raw.float()
+    del raw
+    lse = torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(1, targets.unsqueeze(1)).squeeze(1)
+    if not want_grad:
+        return lse, picked, None
+    probs = logits.sub_(lse.unsqueeze(1)).exp_()
+    probs.scatter_add_(1, targets.unsqueeze(1), torch.full_like(picked, -1.0).unsqueeze(1))
+    probs.mul_(valid.unsqueeze(1))
+    return lse, picked, probs.to(dtype)
+
+
+def _xent_library(raw: torch.Tensor) -> Any:
+    """The C++ kernels when ``raw`` suits them (2-D, CPU, fp32 or bf16), else None."""
+    if raw.device.type != "cpu" or raw.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if raw.dim() != 2:
+        return None
+    from sakura_kernels.blocks._native import CPU_LIBRARY
+
+    return CPU_LIBRARY.load()
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
     """Forward: per-token losses (unreduced, fp32) and nothing of size tokens x vocab saved.
 
@@ -101,28 +163,46 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         safe = torch.where(valid, targets, torch.zeros_like(targets)).unsqueeze(1)
         losses = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        # A frozen head: the hidden states' gradient per unit of each token's loss, now.
+        early = ctx.needs_input_grad[0] and not any(ctx.needs_input_grad[1:3])
+        unit = (
+            torch.empty(n, hidden.shape[1], dtype=compute, device=hidden.device) if early else None
+        )
         for start in range(0, n, chunk_size):
             stop = min(start + chunk_size, n)
             with _no_autocast(hidden.device.type):
                 raw = F.linear(_cast(hidden[start:stop], compute), weight_c, bias_c)
-            logits = raw.float()
+            chunk_lse, picked, grad = _xent_chunk(
+                raw, safe[start:stop, 0], valid[start:stop], want_grad=early
+            )
             del raw
-            chunk_lse = torch.logsumexp(logits, dim=-1)
             lse[start:stop] = chunk_lse
             # -log_softmax(x)[t] = logsumexp(x) - x[t]; 0 for ignored targets (as F.cross_entropy).
-            picked = logits.gather(1, safe[start:stop]).squeeze(1)
             losses[start:stop] = torch.where(
                 valid[start:stop], chunk_lse - picked, torch.zeros_like(picked)
             )
-            del logits
+            if unit is not None and grad is not None:
+                with _no_autocast(hidden.device.type):
+                    torch.mm(grad, weight_c, out=unit[start:stop])
+            del grad
         ctx.compute = compute
         ctx.chunk_size = chunk_size
-        ctx.save_for_backward(hidden, weight, bias, safe, valid, lse)
+        ctx.early = early
+        if early:
+            ctx.hidden_dtype = hidden.dtype
+            ctx.save_for_backward(unit, valid)
+        else:
+            ctx.save_for_backward(hidden, weight, bias, safe, valid, lse)
         return losses
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_losses: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if ctx.early:  # the gradient per unit of each token's loss, from the forward
+            unit, valid = ctx.saved_tensors
+            row_scale = torch.where(valid, grad_losses.float(), torch.zeros_like(grad_losses))
+            grad_h = (unit.float() * row_scale.unsqueeze(1)).to(ctx.hidden_dtype)
+            return grad_h, None, None, None, None, None
         hidden, weight, bias, safe, valid, lse = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         compute = ctx.compute
