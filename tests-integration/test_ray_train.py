@@ -7,8 +7,7 @@ registered is complete (its manifest's checksums verify), loads with
 ``weights_only=True``, and holds exactly the weights of its step, and that the metrics Ray
 attached to it are AsyncEval's for that epoch.  Skipped where ``ray`` is not installed.
 
-A raw DDP loop and a Lightning Trainer run here; a Hugging Face Trainer works the same way
-(its test passed) but a third TorchTrainer run would take this file past its 90 s budget.
+A raw DDP loop, a Lightning Trainer and a Hugging Face Trainer run here.
 """
 
 from __future__ import annotations
@@ -243,6 +242,80 @@ def _check_checkpoints(result: Any, expected: list[dict[str, Any]]) -> None:
     assert sorted(seen_steps) == sorted(by_step)
 
 
+def hf_loop(config: dict[str, Any]) -> None:
+    """A stock transformers.Trainer (it reads the process group Ray set up from the
+    environment), with the Sakura services through HFAdapter."""
+    import ray.train
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from sakura import SakuraRuntime
+    from sakura.dispatch import InThreadDispatcher
+    from sakura_adapters.hf import HFAdapter
+    from sakura_async import AsyncCheckpoint, AsyncEval
+    from sakura_ray import RayReport
+
+    torch.set_num_threads(1)
+    rank = ray.train.get_context().get_world_rank()
+    _, val = _data(0)
+
+    class Regressor(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _net()
+
+        def forward(self, x: Any, labels: Any = None) -> dict[str, Any]:
+            out = self.net(x)
+            loss = None if labels is None else torch.nn.functional.mse_loss(out, labels)
+            return {"loss": loss, "logits": out}
+
+    class Reference(TrainerCallback):  # runs before the adapter: the same epoch-end weights
+        def on_epoch_end(
+            self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any
+        ) -> None:
+            entry = {"step": state.global_step, "epoch": round(state.epoch) - 1}
+            entry["weights"] = _weights(model)
+            entry["val_loss"] = _val_loss(model.net, val)
+            _record(config["out"], rank, "hf", entry)
+
+    def eval_fn(epoch: int, task: Any) -> dict[str, float]:
+        return {"val_loss": _val_loss(task.load_into(Regressor()).net, task.payload)}
+
+    g = torch.Generator().manual_seed(5)
+    x, y = (
+        torch.randn(4 * BATCHES * 2, 6, generator=g),
+        torch.randn(4 * BATCHES * 2, 2, generator=g),
+    )
+    dataset = [{"x": x[i], "labels": y[i]} for i in range(len(x))]
+    args = TrainingArguments(
+        output_dir=config["dir"],
+        per_device_train_batch_size=4,
+        num_train_epochs=EPOCHS,
+        learning_rate=0.1,
+        lr_scheduler_type="constant",
+        logging_strategy="epoch",
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
+    report = RayReport()
+    services = [
+        AsyncEval(eval_fn, val, dispatcher=InThreadDispatcher(), pass_task=True),
+        AsyncCheckpoint(dir=config["dir"], every=1, metric="val_loss"),
+        report,
+    ]
+    with SakuraRuntime(services) as rt:
+        trainer = Trainer(
+            model=Regressor(),
+            args=args,
+            train_dataset=dataset,
+            callbacks=[Reference(), HFAdapter(rt)],
+        )
+        trainer.train()
+    _record(config["out"], rank, "hf-reports", {"reports": report.reports})
+
+
 def test_raw_ddp_loop_reports_metrics_and_durable_checkpoints(cluster: Any, tmp_path: Path) -> None:
     result, out = _fit(tmp_path, raw_loop, "raw")
     assert result.error is None
@@ -270,4 +343,19 @@ def test_lightning_trainer_reports_metrics_and_durable_checkpoints(
     assert result.metrics["val_loss"] == pytest.approx(last["val_loss"], rel=1e-6)
     assert result.metrics["step"] == last["step"] == EPOCHS * BATCHES
     counts = [_rows(out / f"lightning-reports-rank{r}.jsonl")[0]["reports"] for r in (0, 1)]
+    assert counts[0] == counts[1] >= EPOCHS
+
+
+def test_hf_trainer_reports_metrics_and_durable_checkpoints(cluster: Any, tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    result, out = _fit(tmp_path, hf_loop, "hf")
+    assert result.error is None
+    expected = _rows(out / "hf-rank0.jsonl")
+    assert [r["epoch"] for r in expected] == list(range(EPOCHS))
+    _check_checkpoints(result, expected)
+    last = expected[-1]
+    assert result.metrics["val_loss"] == pytest.approx(last["val_loss"], rel=1e-6)
+    assert result.metrics["step"] == last["step"] == EPOCHS * BATCHES
+    counts = [_rows(out / f"hf-reports-rank{r}.jsonl")[0]["reports"] for r in (0, 1)]
     assert counts[0] == counts[1] >= EPOCHS
