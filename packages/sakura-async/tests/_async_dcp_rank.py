@@ -6,7 +6,8 @@ DTensor parameters and write with torch.distributed.checkpoint on every rank.  A
 subscribed to OnCheckpointDurable records what became durable, and when.  After step 3
 rank 0 writes the full (unsharded) model and AdamW state as the reference; step 4's write
 fails on rank 1 (an OSError injected into DCP's file writer).  ``hang`` (2 ranks): rank 1
-never comes to the save.  ``load`` (any world size): a fresh sharded model and optimizer
+never comes to the save (a small MLP there and in ``refuse``).  ``refuse`` (1 rank): the options a sharded model cannot honour
+are each reported, naming the option, and nothing is written.  ``load`` (any world size): a fresh sharded model and optimizer
 resume through ``AsyncCheckpoint.resume``; rank 0 compares the full state with the
 reference tensor by tensor.
 """
@@ -25,21 +26,13 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from sakura import OnEpochEnd, OnTrainBegin, OnTrainEnd, OnTrainStepEnd, SakuraRuntime, Service
 from sakura_async import AsyncCheckpoint, OnCheckpointDurable
 from sakura_async.checkpoint import find_sharded
 from sakura_async.errors import CheckpointWriteError
 
-CONFIG = LlamaConfig(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=256,
-)
+VOCAB = 256
 
 
 class Durable(Service):
@@ -69,8 +62,19 @@ class Durable(Service):
 
 
 def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The tiny Llama, each decoder layer and the root sharded with FSDP2."""
+    from transformers import LlamaConfig, LlamaForCausalLM  # not for hang/refuse: faster
+
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+    )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(CONFIG)
+    model = LlamaForCausalLM(config)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
@@ -78,9 +82,17 @@ def build() -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
+def build_small() -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A two-layer MLP under FSDP2: enough DTensors for the failure paths."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
     gen = torch.Generator().manual_seed(100 * step + dist.get_rank())
-    ids = torch.randint(0, CONFIG.vocab_size, (2, 8), generator=gen)
+    ids = torch.randint(0, VOCAB, (2, 8), generator=gen)
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
     optimizer.zero_grad()
@@ -144,7 +156,7 @@ def save(ckpt_dir: str, out: str) -> None:
 
 def hang(ckpt_dir: str, out: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    model, optimizer = build()
+    model, optimizer = build_small()
     service = AsyncCheckpoint(ckpt_dir, every="1 steps", timeout_s=3)
     drained = ""
     try:
@@ -160,6 +172,35 @@ def hang(ckpt_dir: str, out: str) -> None:
         json.dump(result, sink)
     sys.stdout.flush()
     os._exit(0)  # the side group saw a timeout: do not wait on its teardown
+
+
+REFUSED: list[dict[str, Any]] = [
+    {"every": "30s"},
+    {"every": "best", "metric": "val_loss"},
+    {"format": "safetensors"},
+    {"compress": 3},
+    {"overlap": True},
+    {"state_provider": dict},
+]
+
+
+def refuse(ckpt_dir: str, out: str) -> None:
+    model, optimizer = build_small()
+    messages = []
+    for options in REFUSED:
+        service = AsyncCheckpoint(ckpt_dir, **options)
+        try:
+            with SakuraRuntime([service]) as rt:
+                rt.emit(OnTrainBegin, step=0, model=model, optimizer=optimizer)
+                rt.emit(OnTrainStepEnd, step=1, model=model)
+                rt.emit(OnEpochEnd, step=1, model=model, optimizer=optimizer)
+                rt.emit(OnTrainEnd, step=1, model=model)
+            messages.append("")
+        except CheckpointWriteError as exc:
+            messages.append(str(exc))
+    result = {"messages": messages, "written": sorted(os.listdir(ckpt_dir))}
+    with open(f"{out}/refuse.json", "w") as sink:
+        json.dump(result, sink)
 
 
 def load(ckpt_dir: str, out: str) -> None:
@@ -192,7 +233,7 @@ def main() -> None:
     rank, world, init_file, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     mode, ckpt_dir = sys.argv[5], sys.argv[6]
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    {"save": save, "hang": hang, "load": load}[mode](ckpt_dir, out)
+    {"save": save, "hang": hang, "load": load, "refuse": refuse}[mode](ckpt_dir, out)
     dist.destroy_process_group()
 
 

@@ -469,7 +469,7 @@ class AsyncCheckpoint(Service):
             self._metric(event, event.metrics[self.metric])
         if self.unit == "epochs" and (event.epoch + 1) % self.amount == 0:
             self._save(event)
-        elif self._hold and event.step not in self._held:
+        elif self._hold and not self._sharded and event.step not in self._held:
             self._hold_snapshot(event)
 
     def _on_validation_end(self, event: Any) -> None:
