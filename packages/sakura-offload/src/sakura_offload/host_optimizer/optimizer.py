@@ -34,7 +34,7 @@ from sakura_offload.host_optimizer.device_stream import CudaTransfer, DeviceTran
 from sakura_offload.host_optimizer.event_wait import EventWait
 from sakura_offload.host_optimizer.options import check_group, check_optimizer_options
 from sakura_offload.host_optimizer.placement import distributed, place, state_bytes
-from sakura_offload.host_optimizer.shards import local
+from sakura_offload.host_optimizer.shards import local, total_norm
 from sakura_offload.host_optimizer.state_layout import INT8_KEYS as _INT8_KEYS
 from sakura_offload.host_optimizer.state_layout import (
     export_hook,
@@ -361,9 +361,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         ]
         if not grads or self.max_grad_norm is None:
             return 1.0
-        norms = [torch.linalg.vector_norm(g.detach(), 2.0) for g in grads]
-        device = norms[0].device
-        total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), 2.0)
+        # Over FSDP2 shards: the norm of every rank's shards together (one all-reduce).
+        total = total_norm([g.detach() for g in grads])
         self.last_grad_norm = float(total)
         coef = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
         return float(coef)
