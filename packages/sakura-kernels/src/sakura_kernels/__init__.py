@@ -27,6 +27,7 @@ _EXPORTS = {
     "patch_model": "sakura_kernels.blocks.patch",
     "unpatch_model": "sakura_kernels.blocks.patch",
     "PatchReport": "sakura_kernels.blocks.patch",
+    "register_attention": "sakura_kernels.blocks.attention",
     "FuseReport": "sakura_kernels.lora",
     "fuse_lora": "sakura_kernels.lora",
     "unfuse_lora": "sakura_kernels.lora",

@@ -18,6 +18,7 @@
 // double.  The same bits every run, whatever the thread count.
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <vector>
 #if defined(__AVX512F__)
@@ -383,6 +384,74 @@ void xent_rows(T* logits, int64_t rows, int64_t v, const int64_t* targets, float
     }
 }
 
+// exp over a row of fp32 in place (16 lanes on AVX-512, scalar tail / elsewhere).
+inline void exp_inplace(float* x, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(x + i, exp_ps(_mm512_loadu_ps(x + i)));
+#endif
+    for (; i < n; ++i) x[i] = std::exp(x[i]);
+}
+
+// Attention probabilities, in place: scores s (outer, inner, k) -> softmax(s * scale + mask)
+// over k, fp32 math, rounded once.  inner rows are (group member, query position) pairs:
+// query position = inner row % q_len.  mask: (batch, q_len, k) fp32 additive, batch = outer /
+// per_batch (mask_stride 0: one for all), or null; causal: key j > i + k - q_len masked.
+template <typename T>
+void attn_softmax_forward(T* s, int64_t outer, int64_t inner, int64_t q_len, int64_t k,
+                          const float* mask, int64_t per_batch, int64_t mask_stride, int causal,
+                          float scale) {
+#pragma omp parallel
+    {
+        std::vector<float> row(k);
+#pragma omp for schedule(static)
+        for (int64_t rr = 0; rr < outer * inner; ++rr) {
+            T* x = s + rr * k;
+            const int64_t o = rr / inner, i = (rr % inner) % q_len;
+            const int64_t limit = causal ? std::min<int64_t>(k, i + k - q_len + 1) : k;
+            load_row(x, row.data(), limit);
+            const float* mrow = mask ? mask + (o / per_batch) * mask_stride + i * k : nullptr;
+            float m = -INFINITY;
+            for (int64_t j = 0; j < limit; ++j) {
+                float v = row[j] * scale;
+                if (mrow) v += mrow[j];
+                row[j] = v;
+                m = v > m ? v : m;
+            }
+#pragma omp simd
+            for (int64_t j = 0; j < limit; ++j) row[j] -= m;
+            exp_inplace(row.data(), limit);
+            float sum = 0.0f;
+            for (int64_t j = 0; j < limit; ++j) sum += row[j];
+            const float inv = 1.0f / sum;
+#pragma omp simd
+            for (int64_t j = 0; j < limit; ++j) row[j] *= inv;
+            for (int64_t j = limit; j < k; ++j) row[j] = 0.0f;
+            store_row(row.data(), x, k);
+        }
+    }
+}
+
+// Its backward, in place: dp (rows, k) -> scale * p * (dp - sum_j p_j dp_j).
+template <typename T>
+void attn_softmax_backward(const T* p, T* dp, int64_t rows, int64_t k, float scale) {
+#pragma omp parallel
+    {
+        std::vector<float> pr(k), gr(k);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; ++r) {
+            load_row(p + r * k, pr.data(), k);
+            load_row(dp + r * k, gr.data(), k);
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t j = 0; j < k; ++j) dot += pr[j] * gr[j];
+#pragma omp simd
+            for (int64_t j = 0; j < k; ++j) gr[j] = scale * (pr[j] * (gr[j] - dot));
+            store_row(gr.data(), dp + r * k, k);
+        }
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -463,6 +532,37 @@ int sakura_blocks_glu_backward(int dtype, int kind, const void* grad, const void
         glu_backward(static_cast<const uint16_t*>(grad), static_cast<const uint16_t*>(gate),
                      static_cast<const uint16_t*>(up), static_cast<uint16_t*>(dgate),
                      static_cast<uint16_t*>(dup), n, kind);
+    else
+        return BAD_ARGUMENTS;
+    return 0;
+}
+
+int sakura_attn_softmax_forward(int dtype, void* s, int64_t outer, int64_t inner, int64_t q_len,
+                                int64_t k, const float* mask, int64_t per_batch,
+                                int64_t mask_stride, int causal, float scale) {
+    if (outer < 0 || inner < 0 || q_len <= 0 || k <= 0 || per_batch <= 0 || mask_stride < 0 ||
+        (causal && q_len > k))
+        return BAD_ARGUMENTS;
+    if (dtype == 0)
+        attn_softmax_forward(static_cast<float*>(s), outer, inner, q_len, k, mask, per_batch,
+                             mask_stride, causal, scale);
+    else if (dtype == 1)
+        attn_softmax_forward(static_cast<uint16_t*>(s), outer, inner, q_len, k, mask, per_batch,
+                             mask_stride, causal, scale);
+    else
+        return BAD_ARGUMENTS;
+    return 0;
+}
+
+int sakura_attn_softmax_backward(int dtype, const void* p, void* dp, int64_t rows, int64_t k,
+                                 float scale) {
+    if (rows < 0 || k <= 0) return BAD_ARGUMENTS;
+    if (dtype == 0)
+        attn_softmax_backward(static_cast<const float*>(p), static_cast<float*>(dp), rows, k,
+                              scale);
+    else if (dtype == 1)
+        attn_softmax_backward(static_cast<const uint16_t*>(p), static_cast<uint16_t*>(dp), rows,
+                              k, scale);
     else
         return BAD_ARGUMENTS;
     return 0;
