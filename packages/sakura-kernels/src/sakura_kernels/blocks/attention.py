@@ -36,6 +36,10 @@ ATTENTION_NAME = "sakura"
 _CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
+def _library() -> Any:
+    return CPU_LIBRARY.load(required=True)
+
+
 def _status(code: int, what: str) -> None:
     if code != 0:
         raise RuntimeError(f"sakura-kernels: the C++ attention {what} refused its arguments")
@@ -61,7 +65,7 @@ class FusedAttention(torch.autograd.Function):
         b, kvh, inner, _ = q.shape
         k_len = k.shape[2]
         scores = torch.matmul(q, k.transpose(2, 3))  # (b, kvh, inner, k_len), contiguous
-        lib = CPU_LIBRARY.load(required=True)
+        lib = _library()
         mask_ptr, per_batch, stride = 0, 1, 0
         if mask is not None:
             mask_ptr = mask.data_ptr()
@@ -84,7 +88,7 @@ class FusedAttention(torch.autograd.Function):
         grad = grad.to(q.dtype).contiguous()
         grad_v = torch.matmul(probs.transpose(2, 3), grad)
         grad_s = torch.matmul(grad, v.transpose(2, 3)).contiguous()
-        lib = CPU_LIBRARY.load(required=True)
+        lib = _library()
         _status(
             lib.sakura_attn_softmax_backward(
                 _CODES[q.dtype], probs.data_ptr(), grad_s.data_ptr(),
