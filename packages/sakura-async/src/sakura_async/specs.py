@@ -7,7 +7,8 @@ Services::
               [,<dispatcher option>=...]
     async_checkpoint[:DISPATCHER][,dir=PATH][,every=N|"N steps"|30s|best][,metric=NAME]
               [,mode=min|max][,keep=N|none][,format=torch|safetensors|loop|lightning]
-              [,compress=LEVEL][,max_pending=N][,<dispatcher option>=...]
+              [,compress=LEVEL][,max_pending=N][,timeout_s=SECONDS (sharded models)]
+              [,<dispatcher option>=...]
 
 ``DISPATCHER`` is a registered dispatcher name: sakura-async's own (``inthread``,
 ``thread`` (default), ``process``, ``remote``, ``cluster``) or one that another installed
