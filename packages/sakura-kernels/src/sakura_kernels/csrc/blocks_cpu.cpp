@@ -412,16 +412,20 @@ void attn_softmax_forward(T* s, int64_t outer, int64_t inner, int64_t q_len, int
             load_row(x, row.data(), limit);
             const float* mrow = mask ? mask + (o / per_batch) * mask_stride + i * k : nullptr;
             float m = -INFINITY;
-            for (int64_t j = 0; j < limit; ++j) {
-                float v = row[j] * scale;
-                if (mrow) v += mrow[j];
-                row[j] = v;
-                m = v > m ? v : m;
+            if (mrow) {
+#pragma omp simd
+                for (int64_t j = 0; j < limit; ++j) row[j] = row[j] * scale + mrow[j];
+            } else {
+#pragma omp simd
+                for (int64_t j = 0; j < limit; ++j) row[j] = row[j] * scale;
             }
+#pragma omp simd reduction(max : m)
+            for (int64_t j = 0; j < limit; ++j) m = row[j] > m ? row[j] : m;
 #pragma omp simd
             for (int64_t j = 0; j < limit; ++j) row[j] -= m;
             exp_inplace(row.data(), limit);
             float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
             for (int64_t j = 0; j < limit; ++j) sum += row[j];
             const float inv = 1.0f / sum;
 #pragma omp simd
