@@ -4,6 +4,10 @@ OffloadAdamW installed together train a ``fully_shard``-ed tiny Llama to exactly
 weights the same services give under DDP, while each rank holds only its shards and their
 optimizer state.
 
+On 2 ranks the same services also train under FSDP2's own bf16
+(``fully_shard(mp_policy=fsdp_mp_policy("bf16-mixed"))``), which MixedPrecision sees and
+does not autocast on top of.
+
 (Before the fix that ships with this test, the chunked loss refused the model:
 ``fully_shard`` swaps its class for ``FSDPLlamaForCausalLM``; and OffloadAdamW crashed on
 DTensor parameters.)
@@ -72,3 +76,32 @@ def test_each_rank_holds_its_shards_and_their_state(world: Any) -> None:
     shards = [rank["fsdp2"]["moment_bytes"] for rank in ranks]
     assert sum(shards) == full  # the moments of the whole model, split over the ranks
     assert max(shards) < full
+
+
+def test_services_under_fsdp2_s_own_bf16_policy(world: Any) -> None:
+    """MixedPrecision does not autocast on top of the policy; AC, the chunked loss and
+    OffloadAdamW (on the fp32 shards FSDP2 keeps) compose with it.  Module-level bf16 (a
+    bf16 residual stream) is other arithmetic than autocast (fp32 residual stream), so the
+    losses are compared within 0.1 % relative (observed 0.055 %), not for equality; the
+    exact comparison with the unsharded run of the same precision is
+    packages/sakura-precision/tests/test_fsdp2_policy.py."""
+    out, size = world
+    if size != 2:
+        pytest.skip("run on 2 ranks only (time)")
+    policy = torch.load(out / "fsdp2-policy.w2.pt", weights_only=True)
+    autocast = torch.load(out / "fsdp2.w2.pt", weights_only=True)
+    for ours, theirs in zip(policy["losses"], autocast["losses"], strict=True):
+        assert abs(ours - theirs) <= 1e-3 * abs(theirs), (ours, theirs)
+    start = build().state_dict()
+    for name, value in policy["weights"].items():
+        assert value.dtype == torch.float32, name
+        assert not torch.equal(value, start[name]), f"{name} did not train"
+    for r in range(2):
+        seen = json.loads((out / f"fsdp2-policy.w2.rank{r}.json").read_text())
+        plain = json.loads((out / f"fsdp2.w2.rank{r}.json").read_text())
+        assert seen["autocasting"] == [False] * 3 and plain["autocasting"] == [True] * 3
+        assert "computes every parameter in torch.bfloat16" in seen["fsdp_reason"]
+        assert seen["optimizer"] == "OffloadAdamW" and seen["logits_none"]
+        assert seen["param_dtypes"] == ["torch.float32"]  # the optimizer's shards stay fp32
+        assert seen["dtensor_params"] == seen["params"]
+        assert seen["moment_bytes"] == plain["moment_bytes"]
