@@ -17,7 +17,8 @@ Backward, for ``g = d loss / d out``::
 
 What is kept for backward: the input the base read (``x`` itself, no copy: a copy only exists
 where autocast casts it, and then the one cast serves both products), ``h`` (``N x r``), and
-references to the weights.  PEFT instead casts the input to the adapters' dtype (an fp32 copy
+the adapters as the products read them (cast once per step, in the forward: fp32 masters
+with bf16 products give two small bf16 copies, shared by forward and backward).  PEFT instead casts the input to the adapters' dtype (an fp32 copy
 of a bf16 input when the adapters are fp32, as ``get_peft_model`` makes them by default) and
 keeps that copy for ``A``'s gradient.
 
@@ -83,6 +84,16 @@ class FusedLoraFunction(torch.autograd.Function):
             return _backward(ctx, grad_out)
 
 
+def _product(
+    lhs: torch.Tensor, rhs: torch.Tensor, compute: torch.dtype, out: torch.dtype
+) -> torch.Tensor:
+    """``lhs @ rhs`` with the product in ``compute`` (``rhs`` already is) and the result in
+    ``out``: the one matmul-and-cast sequence of the base product and its input gradient
+    (a cast only where the dtypes differ)."""
+    result = torch.mm(lhs if lhs.dtype == compute else lhs.to(compute), rhs)
+    return result if result.dtype == out else result.to(out)
+
+
 def _forward(
     ctx: Any,
     x: torch.Tensor,
@@ -95,55 +106,51 @@ def _forward(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     xo = x.to(out_dtype)  # the input as the adapters read it (no copy in the usual case)
-    xb = xo if base_dtype == out_dtype else x.to(base_dtype)
     weight = source.weight(base_dtype)
     if bias is not None and base_dtype == out_dtype:
-        out = torch.addmm(bias.to(out_dtype), xb, weight.t())  # as nn.Linear: one rounding
+        out = torch.addmm(bias.to(out_dtype), xo, weight.t())  # as nn.Linear: one rounding
     else:
-        out = torch.mm(xb, weight.t())
-        if out.dtype != out_dtype:
-            out = out.to(out_dtype)
+        out = _product(xo if base_dtype == out_dtype else x, weight.t(), base_dtype, out_dtype)
         if bias is not None:
             out.add_(bias.to(out_dtype))
+    # The adapters in the products' dtype, cast once here and kept for backward (r x in and
+    # out x r values: a bf16 copy of fp32 masters costs nothing to keep).
     a = lora_a.to(out_dtype)
     b = lora_b.to(out_dtype)
     h = torch.mm(xo, a.t())
     out.addmm_(h, b.t(), alpha=scaling)
 
     kept = weight if source.keeps_expansion else None
-    ctx.save_for_backward(xo, h, lora_a, lora_b, kept)
+    ctx.save_for_backward(xo, h, a, b, kept)
     ctx.source = source
     ctx.scaling = scaling
     ctx.base_dtype = base_dtype
     ctx.out_dtype = out_dtype
     ctx.x_dtype = x.dtype
+    ctx.adapter_dtypes = (lora_a.dtype, lora_b.dtype)
     ctx.has_bias = bias is not None
     ctx.bias_dtype = bias.dtype if bias is not None else None
     return out
 
 
 def _backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
-    xo, h, lora_a, lora_b, kept = ctx.saved_tensors
+    xo, h, a, b, kept = ctx.saved_tensors
     scaling: float = ctx.scaling
-    out_dtype: torch.dtype = ctx.out_dtype
     base_dtype: torch.dtype = ctx.base_dtype
+    a_dtype, b_dtype = ctx.adapter_dtypes
     need_x, need_a, need_b, need_bias = ctx.needs_input_grad[:4]
-    g = grad_out.to(out_dtype)
-    a = lora_a.to(out_dtype)
-    b = lora_b.to(out_dtype)
+    g = grad_out.to(ctx.out_dtype)
     grad_x = grad_a = grad_b = grad_bias = None
     gb = torch.mm(g, b) if (need_x or need_a) else g.new_empty(0)  # (N, r)
     if need_x:
         weight = kept if kept is not None else ctx.source.weight(base_dtype)
-        gx = torch.mm(g if base_dtype == out_dtype else g.to(base_dtype), weight)
-        if gx.dtype != out_dtype:
-            gx = gx.to(out_dtype)
+        gx = _product(g, weight, base_dtype, ctx.out_dtype)
         gx.addmm_(gb, a, alpha=scaling)
         grad_x = gx.to(ctx.x_dtype)
     if need_a:
-        grad_a = torch.mm(gb.t(), xo).mul_(scaling).to(lora_a.dtype)
+        grad_a = torch.mm(gb.t(), xo).mul_(scaling).to(a_dtype)
     if need_b:
-        grad_b = torch.mm(g.t(), h).mul_(scaling).to(lora_b.dtype)
+        grad_b = torch.mm(g.t(), h).mul_(scaling).to(b_dtype)
     if need_bias and ctx.has_bias:
         grad_bias = g.sum(0).to(ctx.bias_dtype)
     return grad_x, grad_a, grad_b, grad_bias, None, None, None, None
