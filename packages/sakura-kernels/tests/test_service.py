@@ -113,6 +113,7 @@ def test_auto_patches_a_quantized_model_and_fuses_its_lora(
         assert report.count("rotary") == 2 and report.skipped == [], report
         (lora_report,) = service.lora_reports
         assert len(lora_report.fused) == 2 * len(PROJECTIONS), lora_report
+        assert model.get_base_model().config._attn_implementation == "sakura"  # fused attention
         loss, grads = step(model, batch())
         ref_loss, ref_grads = step(reference, batch())
         assert abs(loss - ref_loss) <= 1e-4 * abs(ref_loss)
@@ -120,6 +121,7 @@ def test_auto_patches_a_quantized_model_and_fuses_its_lora(
         for name, grad in ref_grads.items():
             error = (grads[name] - grad).abs().max() / grad.abs().max()
             assert error <= 1e-3, name
+    assert model.get_base_model().config._attn_implementation == "eager"  # given back
 
 
 def test_fused_lora_off_keeps_the_peft_layers(make_model: Callable[..., torch.nn.Module]) -> None:

@@ -1,7 +1,8 @@
 """``Kernels``: the ``kernels`` service, which swaps the fused block kernels (and, on
 request, fused LoRA) into the model it is given.
 
-Spec: ``kernels``, ``kernels:true``, ``kernels:false``, ``kernels:auto,fused_lora=true``.
+Spec: ``kernels``, ``kernels:true``, ``kernels:false``, ``kernels:auto,fused_lora=true``,
+``kernels:true,attention=false``.
 
 * ``enabled`` (the positional option): ``"auto"`` (default), True or False.  ``"auto"``
   patches only when the frozen weights are quantized (a module shaped like sakura-quant's
@@ -11,6 +12,12 @@ Spec: ``kernels``, ``kernels:true``, ``kernels:false``, ``kernels:auto,fused_lor
   bit-exact unless asked.
 * ``fused_lora``: ``"auto"`` (default: on when the base is quantized), True or False;
   runs :func:`sakura_kernels.lora.fuse_lora` on the model.
+* ``attention``: ``"auto"`` (default: on when the base is quantized and the model is on the
+  CPU), True or False: the Hugging Face model inside (a PEFT wrapper is looked through) runs
+  sakura-kernels' fused CPU attention
+  (:func:`~sakura_kernels.blocks.attention.register_attention`,
+  ``set_attn_implementation("sakura")``; on a GPU or for cases it does not cover, that
+  function hands over to SDPA); its previous attention comes back at teardown.
 
 ``wrap_model`` patches in place (the same module object comes back) with
 :func:`~sakura_kernels.patch_model`; the reports are kept on ``self.reports`` /
@@ -55,16 +62,23 @@ class Kernels(Service):
     name = "kernels"
     priority = 15  # after quantization (5), before the chunked loss (20) and compilation
 
-    def __init__(self, enabled: Any = "auto", *, fused_lora: Any = "auto") -> None:
+    def __init__(
+        self, enabled: Any = "auto", *, fused_lora: Any = "auto", attention: Any = "auto"
+    ) -> None:
         self.enabled: Any = check_choice("kernels", enabled, _CHOICES, owner=_OWNER)
         self.fused_lora: Any = check_choice("fused_lora", fused_lora, _CHOICES, owner=_OWNER)
+        self.attention: Any = check_choice("attention", attention, _CHOICES, owner=_OWNER)
+        self._attention: list[tuple[weakref.ref[nn.Module], str]] = []
         self.reports: list[Any] = []
         self.lora_reports: list[Any] = []
         self._patched: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._fused: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     def __repr__(self) -> str:
-        return f"Kernels(enabled={self.enabled!r}, fused_lora={self.fused_lora!r})"
+        return (
+            f"Kernels(enabled={self.enabled!r}, fused_lora={self.fused_lora!r}, "
+            f"attention={self.attention!r})"
+        )
 
     def wrap_model(self, model: Any) -> Any:
         if not isinstance(model, nn.Module):
@@ -80,7 +94,32 @@ class Kernels(Service):
 
             self.lora_reports.append(fuse_lora(model))
             self._fused.add(model)
+        on_cpu = all(p.device.type == "cpu" for p in model.parameters())
+        if self.attention is True or (self.attention == "auto" and quantized and on_cpu):
+            self._use_fused_attention(model)
         return model
+
+    def _use_fused_attention(self, model: nn.Module) -> None:
+        from sakura_kernels.blocks.attention import register_attention
+
+        target: Any = next(
+            (
+                m
+                for m in model.modules()
+                if callable(getattr(m, "set_attn_implementation", None))
+                and isinstance(
+                    getattr(getattr(m, "config", None), "_attn_implementation", None), str
+                )
+            ),
+            None,
+        )
+        if target is None:
+            return
+        name = register_attention()
+        previous: str = target.config._attn_implementation
+        if previous != name:
+            target.set_attn_implementation(name)
+            self._attention.append((weakref.ref(target), previous))
 
     def teardown(self) -> None:
         from sakura_kernels.blocks.patch import unpatch_model
@@ -91,5 +130,10 @@ class Kernels(Service):
             unfuse_lora(model)
         for model in list(self._patched):
             unpatch_model(model)
+        for ref, previous in reversed(self._attention):
+            target: Any = ref()
+            if target is not None:
+                target.set_attn_implementation(previous)
+        self._attention = []
         self._patched = weakref.WeakSet()
         self._fused = weakref.WeakSet()
