@@ -23,7 +23,8 @@ A variant is ``SIDE[:OPTION,...]``:
 Options: ``autocast`` (the step under ``torch.autocast("cpu", bf16)`` with PEFT's input
 casting off -- ``peft.helpers.disable_input_dtype_casting`` -- so the adapter products run in
 bf16 from bf16 casts of the fp32 adapter weights, their gradients accumulated in fp32),
-``attn=sdpa|eager`` (transformers' attention), ``gc`` (non-reentrant gradient checkpointing),
+``attn=sdpa|eager|sakura`` (transformers' attention; ``sakura``: sakura-kernels' fused CPU
+attention, ``register_attention``), ``gc`` (non-reentrant gradient checkpointing),
 ``storage=uint8|bf16`` (bnb only: ``bnb_4bit_quant_storage``), ``weights=bf16|fp32`` (sakura
 only: fp32 is the model ``quant_speed.py`` runs, the frozen matmuls in bf16 between fp32
 activations), and sakura-kernels' pieces where they have landed (a variant that needs a
@@ -39,10 +40,12 @@ sakura is faster) and the step's fraction of the GEMM limit (``gemm`` time / ste
 the same trial); the CPU and the load before and after.  ``--profile``: then one traced step
 of each variant with the operators of most self CPU time.
 
-Run: ``python benchmarks/qlora_step.py`` (the 10 default variants, 5 trials, 2 x 256 tokens,
-1 thread: about 15 minutes on a shared 2-core machine at load 6-8, loading the variants one
+Run: ``python benchmarks/qlora_step.py`` (the 6 default variants, 5 trials, 2 x 256 tokens,
+1 thread: about 10 minutes on a shared 2-core machine at load 6-8, loading the variants one
 after the other is a third of it; each variant holds 1-2 GiB); ``--variants`` to choose,
-``--profile``, ``--json``.
+``--profile``, ``--json``.  Earlier runs also measured ``bnb:autocast,attn=eager`` (storage
+uint8), ``sakura:autocast,attn=eager`` with and without ``chunked`` / ``fuse``: each piece's
+share of the step; pass them through ``--variants``.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 SIDES = ("bnb", "sakura", "gemm")
 FLAGS = ("autocast", "gc", "kernels", "fuse")
 VALUED = {
-    "attn": ("sdpa", "eager"),
+    "attn": ("sdpa", "eager", "sakura"),
     "storage": ("uint8", "bf16"),
     "weights": ("bf16", "fp32"),
     "chunked": ("kernels",),
@@ -70,15 +73,14 @@ VALUED = {
 DEFAULT_VARIANTS = (
     "gemm",
     "bnb",
-    "bnb:autocast,attn=eager",
     "bnb:autocast,attn=eager,storage=bf16",
-    "sakura",
-    "sakura:autocast,attn=eager",
-    "sakura:autocast,attn=eager,chunked",
-    "sakura:autocast,attn=eager,fuse",
-    "sakura:autocast,attn=eager,fuse,chunked",
+    "bnb:autocast,attn=sdpa,storage=bf16",
     "sakura:autocast,attn=eager,kernels,fuse,chunked",
+    "sakura:autocast,attn=sakura,kernels,fuse,chunked",
 )
+FASTEST = "sakura:autocast,attn=sakura,kernels,fuse,chunked"
+"""The configuration sakura ships as its fastest (docs/kernels.md, ``nox -s demo-finetune``);
+``quant_quality.py``'s ``nf4-fast`` runs the same pieces."""
 """Each variant holds about 1-2 GiB while the others run: add ``gc``, ``weights=fp32`` or
 ``attn=sdpa`` variants through ``--variants`` where memory allows."""
 
@@ -120,6 +122,8 @@ def missing_piece(options: dict[str, Any]) -> str | None:
         needs.append(("sakura_kernels.blocks.patch", "patch_model"))
     if options["fuse"]:
         needs.append(("sakura_kernels.lora", "fuse_lora"))
+    if options["attn"] == "sakura":
+        needs.append(("sakura_kernels.blocks.attention", "register_attention"))
     if options["chunked"] == "kernels":
         needs.append(("sakura_kernels.losses.chunked", "chunked_causal_lm_loss"))
     for module, name in needs:
@@ -192,6 +196,10 @@ def _build(spec: str, folder: str, ids_path: str, threads: int) -> tuple[Callabl
 
     side, options = parse_variant(spec)
     ids = torch.load(ids_path, weights_only=True)
+    if options["attn"] == "sakura":
+        from sakura_kernels import register_attention
+
+        register_attention()
     model_kwargs: dict[str, Any] = {"attn_implementation": options["attn"]}
     if side == "bnb":
         from transformers import BitsAndBytesConfig

@@ -30,7 +30,11 @@ fp32 weights) with everything else of the model in bf16 (embeddings, norms, ``lm
 fine-tune and the evaluation under ``torch.autocast("cpu", bf16)`` with PEFT's input casting
 off: the bf16 path end to end of ``qlora_step.py`` (adapters and AdamW in fp32), against
 ``nf4`` (the fp32 path); ``nf4-bf16ac``: the same with the model left in fp32 (the residual
-stream, norms and embeddings fp32; every matmul bf16 under autocast); and ``bnb-nf4``: the same weights quantized by
+stream, norms and embeddings fp32; every matmul bf16 under autocast); ``nf4-fast``:
+``nf4-bf16e2e`` as ``qlora_step.py``'s fastest variant and the fine-tuning demo run it:
+sakura-kernels' fused attention (``register_attention``), fused blocks (``patch_model``) and fused LoRA
+(``fuse_lora``), the fine-tune's loss from the hidden states (``causal_lm_loss``, the
+chunked loss); and ``bnb-nf4``: the same weights quantized by
 bitsandbytes' ``quantize_4bit`` and expanded by its ``dequantize_4bit``, which must give
 ``nf4``'s perplexity to the last digit (checked, before and after the fine-tune).
 
@@ -38,7 +42,13 @@ Each format gets a PEFT LoRA (r=``--rank``, alpha 2r, every projection); "before
 with the adapters as they start (zero, or LoftQ's fit), "after" once ``--train-steps`` AdamW
 steps have run.  The fine-tune runs ``--repeat`` times for SmolLM2 and ``--tiny-repeat``
 times for the tiny model, with different seeds (adapter init and batches); the table gives
-the median and the min-max spread of "after"; "before" is deterministic.
+the median and the min-max spread of "after"; "before" is deterministic.  Every format runs
+the same seeds (same adapter start, same batches in the same order), so the comparison with
+``nf4`` (the fp32 path) is paired: the "paired" lines give, per format, the mean over seeds
+of ``after / nf4's after - 1`` of the same seed, its standard error and min-max: the
+seed-to-seed spread of "after" (about +-1.5 % on SmolLM2) cancels there.  For the autocast
+formats the trained adapters are also evaluated in the fp32 path (``nf4``'s model, no
+autocast): the fine-tune's own effect, without the bf16 evaluation's rounding.
 
 Reported: perplexity, its change against ``none``, bytes per weight of the quantized layers,
 the seconds per format, the CPU (model, flags) and the load average.
@@ -90,6 +100,7 @@ FORMATS = (
     "nf4-bf16",
     "nf4-bf16e2e",
     "nf4-bf16ac",
+    "nf4-fast",
     "fp8",
     "nvfp4",
     "nvfp4-k",
@@ -107,6 +118,7 @@ TARGET_FORMATS = (
     "nf4-l",
     "nf4-bf16",
     "nf4-bf16e2e",
+    "nf4-fast",
 )
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LONG = {
@@ -278,11 +290,16 @@ def quantize(model: Any, fmt: str, args: argparse.Namespace) -> dict[str, int]:
         kwargs["keep_precise"] = args.keep_precise
     elif option == "l":
         kwargs.update(error_rank=args.rank, error_iters=args.error_iters)
-    elif option in ("bf16", "bf16e2e", "bf16ac"):
+    elif option in ("bf16", "bf16e2e", "bf16ac", "fast"):
         kwargs["matmul_dtype"] = "bf16"
     stats: dict[str, int] = quantize_model(model, name, **kwargs)
-    if option == "bf16e2e":
+    if option in ("bf16e2e", "fast"):
         rest_to_bf16(model)
+    if option == "fast":
+        from sakura_kernels import patch_model, register_attention
+
+        model.set_attn_implementation(register_attention())
+        patch_model(model)
     return stats
 
 
@@ -301,7 +318,7 @@ def rest_to_bf16(model: Any) -> None:
                 param.data = param.data.to(torch.bfloat16)
 
 
-AUTOCAST_FORMATS = ("bf16e2e", "bf16ac")
+AUTOCAST_FORMATS = ("bf16e2e", "bf16ac", "fast")
 """Formats whose fine-tune and evaluation run under bf16 autocast with PEFT's casting off."""
 
 
@@ -338,6 +355,10 @@ def with_lora(model: Any, args: argparse.Namespace, seed: int) -> Any:
     config = peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=PROJECTIONS)
     lora = peft.get_peft_model(model, config)
     init_lora_from_error(lora)  # LoftQ layers only; 0 elsewhere
+    if getattr(model, "_quality_format", "").endswith("-fast"):
+        from sakura_kernels import fuse_lora
+
+        fuse_lora(lora)
     return lora
 
 
@@ -353,10 +374,28 @@ def finetune(lora: Any, tokens: Any, args: argparse.Namespace, seed: int, fmt: s
         starts = torch.randint(0, span, (args.batch,), generator=gen)
         ids = torch.stack([tokens[s : s + args.seq] for s in starts.tolist()])
         with forward_autocast(fmt):
-            loss = lora(input_ids=ids, labels=ids).loss
+            if fmt.endswith("-fast"):
+                from sakura_kernels import causal_lm_loss
+
+                loss = causal_lm_loss(lora, ids, ids)
+            else:
+                loss = lora(input_ids=ids, labels=ids).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
+
+
+def fp32_eval(lora: Any, base: Any, eval_tokens: Any, args: argparse.Namespace, seed: int) -> float:
+    """Perplexity of ``lora``'s trained adapters moved into the fp32 path (``nf4``, no
+    autocast): the quality of the bf16 fine-tune alone, without the bf16 evaluation's own
+    rounding."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+    model = copy.deepcopy(base)
+    quantize(model, "nf4", args)
+    target = with_lora(model, args, seed)
+    set_peft_model_state_dict(target, get_peft_model_state_dict(lora))
+    return perplexity(target, eval_tokens, args.windows, args.seq)
 
 
 def run_model(which: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -377,6 +416,7 @@ def run_model(which: str, args: argparse.Namespace) -> dict[str, Any]:
         for seed in range(args.first_seed, args.first_seed + repeat):
             model = copy.deepcopy(base)
             stats = quantize(model, fmt, args)
+            model._quality_format = fmt
             if stats.get("bytes_before"):
                 row["bytes_per_weight"] = stats["bytes_after"] / (stats["bytes_before"] / 4)
                 row["kept_precise"] = stats.get("kept_precise", 0)
@@ -388,6 +428,10 @@ def run_model(which: str, args: argparse.Namespace) -> dict[str, Any]:
                 with compute_path(lora, fmt):
                     finetune(lora, train_tokens, args, seed, fmt)
                     row["after"].append(perplexity(lora, eval_tokens, args.windows, args.seq, fmt))
+                if fmt.endswith(AUTOCAST_FORMATS):
+                    row.setdefault("after_fp32_eval", []).append(
+                        fp32_eval(lora, base, eval_tokens, args, seed)
+                    )
             del model, lora
         row["seconds"] = time.perf_counter() - started
         rows[fmt] = row
@@ -398,6 +442,20 @@ def run_model(which: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def pct(value: float, ref: float) -> str:
     return f"{(value / ref - 1) * 100:+.2f} %"
+
+
+def paired(values: list[float], reference: list[float]) -> str:
+    """Mean of ``value / reference - 1`` over the seeds (pairs), its standard error, min-max."""
+    diffs = [(v / r - 1) * 100 for v, r in zip(values, reference, strict=True)]
+    mean = sum(diffs) / len(diffs)
+    spread = ""
+    if len(diffs) > 1:
+        var = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)
+        spread = f" +- {math.sqrt(var / len(diffs)):.2f} (standard error)"
+    return (
+        f"mean {mean:+.2f} %{spread}, min-max {min(diffs):+.2f} .. {max(diffs):+.2f} %, "
+        f"{len(diffs)} seeds"
+    )
 
 
 def table(result: dict[str, Any], args: argparse.Namespace) -> list[str]:
@@ -421,6 +479,20 @@ def table(result: dict[str, Any], args: argparse.Namespace) -> list[str]:
             ref_after = summary(ref["after"]).median if ref else None
             line += f" {after.format(4)} | {pct(after.median, ref_after) if ref_after else '-'} |"
         lines.append(line)
+    if "nf4" in rows and len(rows["nf4"]["after"]) > 0:
+        lines.append("")
+        for fmt, row in rows.items():
+            if fmt == "nf4" or len(row["after"]) != len(rows["nf4"]["after"]):
+                continue
+            lines.append(
+                f"paired with nf4 (same seeds), after: "
+                f"{paired(row['after'], rows['nf4']['after'])} ({fmt})"
+            )
+            if row.get("after_fp32_eval"):
+                lines.append(
+                    f"  its adapters evaluated in the fp32 path: "
+                    f"{paired(row['after_fp32_eval'], rows['nf4']['after'])} ({fmt})"
+                )
     if "nf4" in rows and "bnb-nf4" in rows:
         same_before = rows["nf4"]["before"] == rows["bnb-nf4"]["before"]
         same_after = rows["nf4"]["after"] == rows["bnb-nf4"]["after"]
