@@ -533,7 +533,8 @@ def demo_finetune(session: nox.Session) -> None:
     learning rate, under ``transformers.Trainer``.  Sakura runs its fastest configuration
     (``FASTEST_FINETUNE_SERVICES``, printed at the start): the frozen base in NF4
     (bit-identical to bitsandbytes) with bf16 matmuls, bf16 autocast, sakura-kernels' fused
-    kernels and fused LoRA, the loss from the hidden states in chunks, and the host AdamW.
+    kernels, fused LoRA and fused CPU attention, the loss from the hidden states in chunks,
+    and the host AdamW.
     Two pairs, each with its trials interleaved, one torch thread each, every trial a fresh
     process: against bitsandbytes' NF4 as transformers configures it by default (fp32
     compute, ``--baseline-variant peft-bnb``; reports under ``reports/demo-finetune/vs-bnb/``),
@@ -582,12 +583,14 @@ def demo_finetune(session: nox.Session) -> None:
 FASTEST_FINETUNE_SERVICES = (
     "quant:nf4,matmul_dtype=bf16",
     "mixed_precision:bf16-mixed",
-    "kernels",
+    "kernels:true,fused_lora=true,attention=true",
     "chunked_loss",
     "offload_adamw",
 )
 """Sakura's fastest QLoRA configuration on a CPU (``benchmarks/qlora_step.py`` measures the
-part of each): NF4 base with bf16 matmuls, bf16 autocast, fused kernels / LoRA, chunked loss."""
+part of each, ``benchmarks/quant_quality.py``'s ``nf4-fast`` its perplexity against the fp32
+path): NF4 base with bf16 matmuls, bf16 autocast, fused block kernels, LoRA and CPU attention,
+the loss from the hidden states in chunks (its gradient computed in the forward)."""
 
 
 @nox.session
