@@ -7,7 +7,7 @@ of ``torch.optim.AdamW`` through a ``SakuraRuntime`` with ``MixedPrecision`` ins
   and does not autocast (bf16-mixed, and 16-mixed with its loss scaling);
 - ``autocast``: ``fully_shard`` without a policy, the service autocasts (bf16-mixed).
 
-Rank 0 also trains the unsharded model with the same precision on the same rows, split as
+The ranks also train the unsharded model with the same precision on the same rows, split as
 the ranks split them and the gradients averaged like FSDP2 averages them:
 
 - ``ref-policy``: what the policy does, by hand: forward and backward on a bf16 copy of the
@@ -142,10 +142,14 @@ def refusal(case: str) -> str:
         "bf16-service-fp16-policy": ("bf16-mixed", "16-mixed"),
         "32-true-service-bf16-policy": ("32-true", "bf16-mixed"),
         "fp8-service": ("fp8", "bf16-mixed"),
+        "bf16-true-after-forward": ("bf16-true", ""),  # (no policy)
     }
     service_mode, policy_mode = policies[case]
-    fully_shard(model[0], mp_policy=fsdp_mp_policy(policy_mode))
-    fully_shard(model, mp_policy=fsdp_mp_policy(policy_mode))
+    policy = {} if case == "bf16-true-after-forward" else {"mp_policy": fsdp_mp_policy(policy_mode)}
+    fully_shard(model[0], **policy)
+    fully_shard(model, **policy)
+    if case == "bf16-true-after-forward":  # FSDP2's lazy init has sized its fp32 buffers
+        model(torch.randn(2, 8))
     options = {"emulate": True} if service_mode == "fp8" else {}
     service = MixedPrecision(service_mode, **options)
     try:
@@ -178,6 +182,16 @@ def accepted_cases() -> dict[str, Any]:
         with rt.autocast():
             y = model(torch.randn(4, 8))
         out["bf16-true"] = [str(y.dtype), sorted({str(p.dtype) for p in model.parameters()})]
+    # bf16-true after fully_shard but before the first forward: FSDP2's _apply casts.
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    fully_shard(model)
+    with SakuraRuntime([MixedPrecision("bf16-true")], strict=True) as rt:
+        rt.wrap_model(model)
+        with rt.autocast():
+            y = model(torch.randn(4, 8))
+        y.float().sum().backward()
+        grads = {str(p.grad.dtype) for p in model.parameters()}
+        out["bf16-true-sharded"] = [str(y.dtype), sorted(grads)]
     return out
 
 
@@ -192,6 +206,7 @@ def main(rank: int, world: int, init_file: str, out_dir: str, *extra: str) -> No
                 "bf16-service-fp16-policy",
                 "32-true-service-bf16-policy",
                 "fp8-service",
+                "bf16-true-after-forward",
             ]
             result: dict[str, Any] = {case: refusal(case) for case in cases}
             result.update(accepted_cases())
@@ -204,8 +219,10 @@ def main(rank: int, world: int, init_file: str, out_dir: str, *extra: str) -> No
         if world == 2:
             runs["policy-16-mixed"] = sharded_run("policy", "16-mixed", rank, world)
             references.append("ref-policy-16-mixed")
+        # The unsharded references are spread over the ranks (each rank's own share).
+        mine = {n: reference_run(n, world) for i, n in enumerate(references) if i % world == rank}
+        torch.save(mine, out / f"references.rank{rank}.pt")
         if rank == 0:
-            runs.update({name: reference_run(name, world) for name in references})
             torch.save(runs, out / "runs.pt")
     finally:
         dist.barrier()

@@ -34,7 +34,10 @@ def _launch(size: int, tmp_path_factory: pytest.TempPathFactory) -> Any:
     out = tmp_path_factory.mktemp(f"fsdp2-policy-{size}")
     extra = ("errors",) if size == 2 else ()  # the refusals: 2 ranks only (time)
     launch_ranks(HERE / "_fsdp2_policy_rank.py", size, out, *extra, timeout=300)
-    return torch.load(out / "runs.pt", weights_only=True), size, out
+    runs = torch.load(out / "runs.pt", weights_only=True)
+    for rank in range(size):
+        runs.update(torch.load(out / f"references.rank{rank}.pt", weights_only=True))
+    return runs, size, out
 
 
 @pytest.fixture(scope="module")
@@ -200,6 +203,13 @@ _CONFLICT = (
             r"NotImplementedError: MixedPrecision\('fp8'\) on a model sharded by FSDP2 "
             r"\(fully_shard\) is not supported",
         ),
+        (
+            "bf16-true-after-forward",
+            r"ValueError: MixedPrecision\('bf16-true'\) casts the weights to torch.bfloat16, "
+            r"but FSDP2 module '<root>' has already run with other dtypes; call "
+            r"rt.prepare\(model\) \(or rt.wrap_model\) before fully_shard, or at least before "
+            r"the first forward$",
+        ),
     ],
 )
 def test_a_conflicting_policy_is_refused(two: Any, case: str, expected: str) -> None:
@@ -217,3 +227,5 @@ def test_what_the_service_accepts_under_fsdp2(two: Any) -> None:
     assert reason.startswith("FSDP2 leaves 2 of 4 floating parameters outside torch.bfloat16")
     # bf16-true: cast by rt.wrap_model before fully_shard, the policy adds no cast.
     assert seen["bf16-true"] == ["torch.bfloat16", ["torch.bfloat16"]]
+    # bf16-true on a sharded model before its first forward: FSDP2's own _apply casts it.
+    assert seen["bf16-true-sharded"] == ["torch.bfloat16", ["torch.bfloat16"]]

@@ -40,7 +40,13 @@ from torch import nn
 from sakura.options import check_bool, option_error
 from sakura_precision.modes import ACCEPTED, Mode, resolve_mode
 
-__all__ = ["FSDPCasting", "fsdp_casting", "fsdp_modules", "fsdp_mp_policy"]
+__all__ = [
+    "FSDPCasting",
+    "check_castable",
+    "fsdp_casting",
+    "fsdp_modules",
+    "fsdp_mp_policy",
+]
 
 _POLICY_MODES = ("bf16-mixed", "16-mixed", "bf16-true", "16-true", "32-true", "64-true")
 _ACCEPTED_TEXT = (
@@ -205,3 +211,24 @@ def fsdp_casting(model: Any, mode: Mode, *, owner: str) -> FSDPCasting | None:
         f"{uncast[0]!r}); the service autocasts them op by op (a fully_shard mp_policy "
         f"of sakura_precision.fsdp_mp_policy({mode.name!r}) would cast them per module)",
     )
+
+
+def check_castable(model: nn.Module, dtype: torch.dtype, *, owner: str) -> None:
+    """Raise ValueError when casting ``model`` to ``dtype`` would break FSDP2: some of its
+    sharded parameters are in another dtype and FSDP2 has already run (its lazy init,
+    at the first forward, sized the all-gather buffers for their dtype; a later cast fails
+    inside the next all-gather with "Expected out tensor to have dtype ...").  Before the
+    first forward FSDP2's own ``_apply`` re-registers the cast shards, which is fine.
+    The lazy-init flag is private (``FSDPState._is_root``); when it is missing the cast is
+    refused, never guessed."""
+    for name, module in fsdp_modules(model):
+        if all(p.dtype == dtype for p in module.parameters() if p.is_floating_point()):
+            continue
+        state = module._get_fsdp_state()  # type: ignore[operator]
+        if getattr(state, "_is_root", True) is not None:
+            raise ValueError(
+                f"{owner} casts the weights to {dtype}, but FSDP2 module "
+                f"{name or '<root>'!r} has already run with other dtypes; call "
+                f"rt.prepare(model) (or rt.wrap_model) before fully_shard, or at least "
+                f"before the first forward"
+            )

@@ -48,7 +48,7 @@ from sakura.events import OnFitBegin, OnPredictBegin, OnTestBegin, OnTrainBegin,
 from sakura.options import check_bool, check_choice, check_int, check_number, option_error
 from sakura.proxies import unwrap_optimizer
 from sakura_precision.float8_linear import check_fp8_hardware, convert_to_float8
-from sakura_precision.fsdp import fsdp_casting, fsdp_modules, fsdp_mp_policy
+from sakura_precision.fsdp import check_castable, fsdp_casting, fsdp_modules, fsdp_mp_policy
 from sakura_precision.modes import Mode, resolve_mode
 
 __all__ = [
@@ -201,9 +201,11 @@ class MixedPrecision(Service):
 
     def _learn_fsdp(self, model: Any) -> None:
         """Read the FSDP2 policies of ``model`` (raises on one that conflicts)."""
+        if not isinstance(model, nn.Module):
+            return  # (an event without a model)
         found = fsdp_casting(model, self.mode, owner=repr(self))
-        if found is not None:
-            self._fsdp_casts, self.fsdp_reason = found.covers_all, found.reason
+        self._fsdp_casts = found is not None and found.covers_all
+        self.fsdp_reason = None if found is None else found.reason
 
     # --- device bookkeeping ------------------------------------------------------------
 
@@ -559,6 +561,7 @@ class TruePrecision(MixedPrecision):
                 f"{type(model).__name__}"
             )
         self._learn_fsdp(model)  # a conflicting FSDP2 policy is refused before any cast
+        check_castable(model, self.dtype, owner=repr(self))
         model.to(self.dtype)  # (FSDP2's own _apply re-registers the sharded parameters)
         if getattr(model, _MARK, None) is not None:
             return model
