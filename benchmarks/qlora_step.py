@@ -29,7 +29,8 @@ attention, ``register_attention``), ``gc`` (non-reentrant gradient checkpointing
 only: fp32 is the model ``quant_speed.py`` runs, the frozen matmuls in bf16 between fp32
 activations), and sakura-kernels' pieces where they have landed (a variant that needs a
 missing one is left out with a note): ``kernels`` (``sakura_kernels.patch_model``: fused
-RMSNorm / rotary / SwiGLU), ``fuse`` (``sakura_kernels.fuse_lora``), ``chunked`` (the loss
+RMSNorm / rotary / SwiGLU), ``fuse`` (``sakura_kernels.fuse_lora``), ``keep`` (with ``fuse``: ``keep_expanded=True``,
+the forward's NF4 expansion kept for backward), ``chunked`` (the loss
 from the hidden states a chunk at a time, ``sakura_kernels.chunked_causal_lm_loss``).
 
 Each variant runs in a fresh process (its peak RSS, ``VmHWM``, is its own); the parent sends
@@ -63,7 +64,7 @@ from typing import Any
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SIDES = ("bnb", "sakura", "gemm")
-FLAGS = ("autocast", "gc", "kernels", "fuse")
+FLAGS = ("autocast", "gc", "kernels", "fuse", "keep")
 VALUED = {
     "attn": ("sdpa", "eager", "sakura"),
     "storage": ("uint8", "bf16"),
@@ -108,8 +109,10 @@ def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
             raise SystemExit(f"variant {spec!r}: option {item!r} is not accepted ({accepted})")
     if side != "bnb" and options["storage"] != "uint8":
         raise SystemExit(f"variant {spec!r}: storage= is a bitsandbytes option")
-    if side != "sakura" and (options["weights"] != "bf16" or options["fuse"]):
-        raise SystemExit(f"variant {spec!r}: weights= and fuse are sakura options")
+    if side != "sakura" and (options["weights"] != "bf16" or options["fuse"] or options["keep"]):
+        raise SystemExit(f"variant {spec!r}: weights=, fuse and keep are sakura options")
+    if options["keep"] and not options["fuse"]:
+        raise SystemExit(f"variant {spec!r}: keep (keep_expanded) needs fuse")
     return side, options
 
 
@@ -239,7 +242,8 @@ def _build(spec: str, folder: str, ids_path: str, threads: int) -> tuple[Callabl
     if options["fuse"]:
         from sakura_kernels import fuse_lora
 
-        print(json.dumps({"note": f"fuse_lora: {fuse_lora(lora)}"}), flush=True)
+        report = fuse_lora(lora, keep_expanded=options["keep"])
+        print(json.dumps({"note": f"fuse_lora: {report}"}), flush=True)
     lora.train()
     params = [p for p in lora.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
