@@ -27,7 +27,16 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from sakura import OnEpochEnd, OnTrainBegin, OnTrainEnd, OnTrainStepEnd, SakuraRuntime, Service
+from sakura import (
+    OnBeforeOptimizerStep,
+    OnEpochEnd,
+    OnOptimizerStep,
+    OnTrainBegin,
+    OnTrainEnd,
+    OnTrainStepEnd,
+    SakuraRuntime,
+    Service,
+)
 from sakura_async import AsyncCheckpoint, OnCheckpointDurable
 from sakura_async.checkpoint import find_sharded
 from sakura_async.errors import CheckpointWriteError
@@ -154,6 +163,50 @@ def save(ckpt_dir: str, out: str) -> None:
         json.dump(result, sink)
 
 
+def overlap(ckpt_dir: str, out: str) -> None:
+    """overlap=True: each save's host copy runs on DCP's staging thread during the next
+    step's forward and backward, and the service waits for it at OnBeforeOptimizerStep.
+    Step 5's loop skips that event: the checkpoint of step 4 must be discarded."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, optimizer = build()
+    service = AsyncCheckpoint(ckpt_dir, every="1 steps", keep=None, overlap=True)
+    drained = ""
+
+    def step(rt: SakuraRuntime, number: int, *, announce: bool = True) -> None:
+        gen = torch.Generator().manual_seed(100 * number + rank)
+        ids = torch.randint(0, VOCAB, (2, 8), generator=gen)
+        model(input_ids=ids, labels=ids).loss.backward()
+        if announce:
+            rt.emit(OnBeforeOptimizerStep, step=number - 1, model=model, optimizer=optimizer)
+        optimizer.step()
+        rt.emit(OnOptimizerStep, step=number, model=model, optimizer=optimizer)
+        optimizer.zero_grad()
+
+    try:
+        with SakuraRuntime([service], rank=rank, world_size=world) as rt:
+            rt.emit(OnTrainBegin, step=0, model=model, optimizer=optimizer)
+            for number in (1, 2, 3):
+                step(rt, number)
+                rt.emit(OnTrainStepEnd, step=number, model=model)
+            reference = full_state(model, optimizer)
+            if rank == 0:
+                torch.save(reference, f"{out}/reference.pt")
+            step(rt, 4)  # step 3's copy overlaps this forward/backward
+            rt.emit(OnTrainStepEnd, step=4, model=model)
+            step(rt, 5, announce=False)  # the weights change under step 4's copy
+            rt.emit(OnTrainEnd, step=5, model=model)
+    except CheckpointWriteError as exc:
+        drained = str(exc)
+    result = {
+        "saved": [os.path.basename(p) for p in service.saved],
+        "drained": drained,
+        "overlap_after": service.overlap,
+        "published": [s for s, _ in find_sharded(ckpt_dir)],
+    }
+    with open(f"{out}/overlap-rank{rank}.json", "w") as sink:
+        json.dump(result, sink)
+
+
 def hang(ckpt_dir: str, out: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     model, optimizer = build_small()
@@ -179,7 +232,6 @@ REFUSED: list[dict[str, Any]] = [
     {"every": "best", "metric": "val_loss"},
     {"format": "safetensors"},
     {"compress": 3},
-    {"overlap": True},
     {"state_provider": dict},
 ]
 
@@ -233,7 +285,9 @@ def main() -> None:
     rank, world, init_file, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     mode, ckpt_dir = sys.argv[5], sys.argv[6]
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    {"save": save, "hang": hang, "load": load, "refuse": refuse}[mode](ckpt_dir, out)
+    {"save": save, "hang": hang, "load": load, "refuse": refuse, "overlap": overlap}[mode](
+        ckpt_dir, out
+    )
     dist.destroy_process_group()
 
 

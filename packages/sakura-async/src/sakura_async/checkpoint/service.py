@@ -165,8 +165,9 @@ class AsyncCheckpoint(Service):
     A model with DTensor parameters (FSDP2) is saved with torch.distributed.checkpoint by
     every rank into ``<dir>/step-<N>`` (see :class:`~sakura_async.checkpoint.sharded.
     ShardedCheckpoint`): ``every`` in epochs or steps, ``keep``, ``format="torch"``, no
-    ``state_provider``, ``compress`` or ``overlap``, one write in flight; :meth:`resume`
-    loads it at any world size.
+    ``state_provider`` or ``compress``, one write in flight; ``overlap=True`` runs the host
+    copy on DCP's staging thread and waits for it at ``OnBeforeOptimizerStep``;
+    :meth:`resume` loads it at any world size.
     """
 
     name = "async_checkpoint"
@@ -243,6 +244,8 @@ class AsyncCheckpoint(Service):
         """The model has DTensor parameters: every rank writes through ``_writer``."""
         self._writer: ShardedCheckpoint | None = None
         self._sharded_error: BaseException | None = None
+        self._staging_timing: SaveTiming | None = None
+        """overlap=True on a sharded model: the save whose background copy is running."""
         # A wrong type or a misspelt name fails here, not only at install.
         self._dispatch = DispatcherSlot(dispatcher, owner=_OWNER)
         if name is not None and (not isinstance(name, str) or not name):
@@ -425,10 +428,25 @@ class AsyncCheckpoint(Service):
         self._last_time = time.monotonic()
 
     def _on_before_optimizer_step(self, event: Any) -> None:
-        if self._copying is not None:
+        if self._copying is not None or self._staging_timing is not None:
             self._barrier()
 
     def _on_optimizer_step(self, event: Any) -> None:
+        if self._staging_timing is not None and self._writer is not None:
+            step = self._staging_timing.step
+            self._staging_timing = None
+            self.overlap = False
+            logger.error(
+                "sakura AsyncCheckpoint %r: the sharded checkpoint of step %d is discarded "
+                "(overlap=True needs OnBeforeOptimizerStep); overlapping is now off",
+                self.name,
+                step,
+            )
+            self._writer.discard_staging(
+                f"overlap=True needs the loop to emit OnBeforeOptimizerStep before each "
+                f"optimizer step; the checkpoint of step {step} was discarded (it could mix "
+                f"two steps) and overlapping is now off"
+            )
         copy = self._copying
         if copy is None:
             return
@@ -672,12 +690,6 @@ class AsyncCheckpoint(Service):
             )
         elif self.compress:
             problem = ("compress", self.compress, "None for a sharded (FSDP2 / DTensor) model")
-        elif self.overlap:
-            problem = (
-                "overlap",
-                self.overlap,
-                "False for a sharded (FSDP2 / DTensor) model (DCP stages the shards itself)",
-            )
         elif self.unit in ("seconds", "best"):
             problem = (
                 "every",
@@ -725,7 +737,10 @@ class AsyncCheckpoint(Service):
             return
         try:
             future = writer.save(
-                event.step, unwrap_model(self._model), _plain_optimizer(self._optimizer)
+                event.step,
+                unwrap_model(self._model),
+                _plain_optimizer(self._optimizer),
+                background_staging=self.overlap,
             )
         except Exception as exc:  # the ranks could not agree to start the write
             self._fail(exc, event.step, event.epoch)
@@ -733,6 +748,8 @@ class AsyncCheckpoint(Service):
         timing = SaveTiming(step=event.step, wait_s=t1 - t0)
         timing.copy_s = time.perf_counter() - t1
         self.timings.append(timing)
+        if writer.staging:  # overlap=True: the copy runs during the next forward/backward
+            self._staging_timing = timing
         record = self._last_metric if metric is None else metric
         self._pending.append(PendingWrite(future, None, event.step, event.epoch, record))
         self._last_step = event.step
@@ -771,6 +788,12 @@ class AsyncCheckpoint(Service):
 
     def _barrier(self) -> None:
         """Wait for an overlapped copy, then submit its write (before the weights change)."""
+        staging = self._staging_timing
+        if staging is not None and self._writer is not None:  # a sharded model's copy
+            t0 = time.perf_counter()
+            self._staging_timing = None
+            self._writer.finish_staging()
+            staging.barrier_s += time.perf_counter() - t0
         copy = self._copying
         if copy is None:
             return
@@ -843,6 +866,9 @@ class AsyncCheckpoint(Service):
     def _collect_one(self) -> None:
         item = self._pending[0]
         if item.snapshot is None:  # sharded: the writer's own wait collects it
+            # A background copy still running (overlap=True) holds the write back; no
+            # optimizer step came since the save, so waiting for it here is safe.
+            self._barrier()
             self._pending.popleft()
             writer = self._writer
             try:

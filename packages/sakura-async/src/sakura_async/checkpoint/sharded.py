@@ -39,6 +39,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
@@ -47,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -163,6 +165,10 @@ class ShardedCheckpoint:
         self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="sakura-dcp-commit")
         self._pending: Future[str] | None = None
+        self._stager: DefaultStager | None = None
+        self._staging: Future[Any] | None = None
+        self._released = threading.Event()
+        self._discarded: str | None = None
         os.makedirs(self.dir, exist_ok=True)
         if self.rank == 0:  # writes that crashed before their commit
             for entry in os.listdir(self.dir):
@@ -171,31 +177,87 @@ class ShardedCheckpoint:
         dist.barrier(group=self._group)
 
     def save(
-        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        background_staging: bool = False,
     ) -> Future[str]:
         """Stage ``model`` (and ``optimizer``) state to host memory and write it in the
         background as checkpoint ``step``; returns a future of the published path.
 
         Waits for the previous write first (one in flight) and raises its error, if any.
+
+        ``background_staging=True``: the host copy itself runs on DCP's staging thread
+        (``DefaultStager`` with ``use_async_staging``), so this returns at once; the caller
+        must call :meth:`finish_staging` before the weights or the optimizer state change
+        (before the next optimizer step), or :meth:`discard_staging` if they changed
+        first.  The write is not published until one of them was called.
         """
         check_int("step", step, minimum=0, owner=_OWNER)
         self.wait()
         name = _final_name(step)
         tmp = os.path.join(self.dir, f".tmp-{name}")
+        stager = None
+        if background_staging:
+            if self._stager is None:  # reused: it keeps its staging buffers between saves
+                self._stager = DefaultStager(
+                    StagingOptions(
+                        use_pinned_memory=False,
+                        use_shared_memory=False,
+                        use_async_staging=True,
+                        use_non_blocking_copy=False,
+                    )
+                )
+            stager = self._stager
+        self._released = threading.Event()
+        self._discarded = None
+        if not background_staging:
+            self._released.set()
         try:
             writing = async_save(
                 _state(model, optimizer),
                 storage_writer=FileSystemWriter(tmp, sync_files=True),
                 process_group=self._group,
+                async_stager=stager,
             )
         except BaseException as exc:  # a rank died or never came to this save
             raise CheckpointWriteError(
                 f"sharded checkpoint {name!r} was not started: the ranks could not agree "
                 f"within timeout_s={self.timeout_s} ({type(exc).__name__}: {exc})"
             ) from exc
-        future = writing if isinstance(writing, Future) else writing.upload_completion
-        self._pending = self._committer.submit(self._commit, future, tmp, name)
+        if isinstance(writing, Future):
+            future, self._staging = writing, None
+        else:
+            future, self._staging = writing.upload_completion, writing.staging_completion
+        if not background_staging:
+            self._staging = None
+        self._pending = self._committer.submit(self._commit, future, tmp, name, self._released)
         return self._pending
+
+    @property
+    def staging(self) -> bool:
+        """Whether a background copy (``background_staging=True``) awaits
+        :meth:`finish_staging` or :meth:`discard_staging`."""
+        return self._staging is not None
+
+    def finish_staging(self) -> None:
+        """Wait until the background copy of the last save is complete (a failed copy
+        fails the write itself, reported by :meth:`wait`); the weights may change after."""
+        staging, self._staging = self._staging, None
+        try:
+            if staging is not None:
+                staging.exception(timeout=self.timeout_s)
+        finally:
+            self._released.set()
+
+    def discard_staging(self, reason: str) -> None:
+        """The weights changed before the background copy was known to be complete: the
+        write in flight is not published (every rank's vote fails with ``reason``)."""
+        self._staging = None
+        self._discarded = reason
+        self._released.set()
 
     @property
     def writing(self) -> bool:
@@ -211,18 +273,31 @@ class ShardedCheckpoint:
     def close(self) -> None:
         """Wait for the write in flight (raising its error) and stop the committer."""
         try:
+            if self._staging is not None:
+                self.finish_staging()
             self.wait()
         finally:
             self._committer.shutdown(wait=True)
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
 
-    def _commit(self, writing: Future[Any], tmp: str, name: str) -> str:
-        """Runs on the committer thread: waits for DCP's write, votes on the side group,
-        and rank 0 publishes the folder only when every rank succeeded."""
+    def _commit(self, writing: Future[Any], tmp: str, name: str, released: threading.Event) -> str:
+        """Runs on the committer thread: waits for DCP's write (and, with background
+        staging, for the training thread's word that the copy preceded any change of the
+        weights), votes on the side group, and rank 0 publishes the folder only when every
+        rank succeeded."""
         error: BaseException | None = None
         try:
             writing.result(timeout=self.timeout_s)
         except BaseException as exc:  # reported below, after the vote
             error = exc
+        if not released.wait(self.timeout_s) and error is None:
+            error = TimeoutError(
+                f"the background copy was not confirmed within timeout_s={self.timeout_s}"
+            )
+        if self._discarded is not None and error is None:
+            error = RuntimeError(self._discarded)
         votes: list[Any] = [None] * self.world_size
         try:
             dist.all_gather_object(votes, _vote(error), group=self._group)
