@@ -9,7 +9,14 @@ so nothing reshuffles them), which is what one process sees in batches of 8.  Va
   in ``configure_model``) with the LightningAdapter and an event-recording service;
 * ``fsdp2-bf16``: the same with sakura's ``MixedPrecision("bf16-mixed")``;
 * ``ddp-bf16``: ``strategy="ddp"`` with ``MixedPrecision("bf16-mixed")`` (the reference
-  for ``fsdp2-bf16``: each rank computes the same bf16 products on the same rows).
+  for ``fsdp2-bf16``: each rank computes the same bf16 products on the same rows);
+* ``policy-bf16``: ``configure_model`` shards with FSDP2's own bf16 policy
+  (``mp_policy=fsdp_mp_policy("bf16-mixed")``) and sakura's ``MixedPrecision("bf16-mixed")``
+  is installed too: it must see the policy and not autocast on top of it;
+* ``policy-plain``: the same policy with no sakura precision service (the reference for
+  ``policy-bf16``).
+
+Every variant records whether autocast was on inside ``training_step``.
 
 Rank 0 writes each variant's full (gathered) weights; every rank writes the events its
 service saw.
@@ -33,7 +40,7 @@ from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from sakura import SakuraRuntime, Service
 from sakura_adapters.lightning import LightningAdapter
-from sakura_precision import MixedPrecision
+from sakura_precision import MixedPrecision, fsdp_mp_policy
 
 GLOBAL_BATCH = 8
 ROWS = 32
@@ -41,10 +48,12 @@ EPOCHS = 2
 
 
 class Module(pl.LightningModule):
-    def __init__(self, shard: bool) -> None:
+    def __init__(self, shard: bool, policy: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.shard = shard
+        self.policy = policy
+        self.autocast_seen: list[bool] = []
         self.net = nn.Sequential(
             nn.Linear(6, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 4)
         )
@@ -53,13 +62,15 @@ class Module(pl.LightningModule):
         if not self.shard:
             return
         mesh = self.device_mesh["data_parallel"]
+        extra: dict[str, Any] = {"mp_policy": fsdp_mp_policy("bf16-mixed")} if self.policy else {}
         for layer in self.net:
             if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(self.net, mesh=mesh)
+                fully_shard(layer, mesh=mesh, **extra)
+        fully_shard(self.net, mesh=mesh, **extra)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
+        self.autocast_seen.append(torch.is_autocast_enabled("cpu"))
         return nn.functional.mse_loss(self.net(x).float(), y)
 
     def configure_optimizers(self) -> Any:
@@ -95,9 +106,11 @@ class Events(Service):
 def run(variant: str, rank: int, world: int, out: Path) -> None:
     events = Events()
     services: list[Any] = [events]
-    if variant.endswith("bf16"):
-        services.insert(0, MixedPrecision("bf16-mixed"))
-    shard = variant.startswith("fsdp2")
+    precision = MixedPrecision("bf16-mixed") if variant.endswith("bf16") else None
+    if precision is not None:
+        services.insert(0, precision)
+    policy = variant.startswith("policy")
+    shard = variant.startswith("fsdp2") or policy
     strategy: Any = (
         ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1) if shard else "ddp"
     )
@@ -114,7 +127,7 @@ def run(variant: str, rank: int, world: int, out: Path) -> None:
         use_distributed_sampler=False,
         callbacks=[LightningAdapter(rt)],
     )
-    module = Module(shard)
+    module = Module(shard, policy)
     loader = DataLoader(Subset(dataset(), rows_of(rank, world)), batch_size=GLOBAL_BATCH // world)
     trainer.fit(module, loader)
     local = {name: type(p).__name__ for name, p in module.named_parameters()}  # DTensor under FSDP2
@@ -128,6 +141,8 @@ def run(variant: str, rank: int, world: int, out: Path) -> None:
         "events": events.seen,
         "param_types": local,
         "plugin": type(trainer.strategy.precision_plugin).__name__,
+        "autocast_seen": sorted(set(module.autocast_seen)),
+        "fsdp_reason": None if precision is None else precision.fsdp_reason,
     }
     (out / f"{variant}.rank{rank}.json").write_text(json.dumps(info))
     dist.barrier()
@@ -138,7 +153,7 @@ def main(rank: int, world: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         torch.set_num_threads(1)
-        for variant in ("fsdp2-32", "fsdp2-bf16", "ddp-bf16"):
+        for variant in ("fsdp2-32", "fsdp2-bf16", "ddp-bf16", "policy-bf16", "policy-plain"):
             run(variant, rank, world, Path(out_dir))
     finally:
         dist.barrier()

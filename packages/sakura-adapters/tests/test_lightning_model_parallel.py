@@ -99,3 +99,22 @@ def test_mixed_precision_under_fsdp2_equals_it_under_ddp(runs: Path) -> None:
     assert any(not torch.equal(sharded[k], fp32[k]) for k in fp32), "bf16 autocast was active"
     for name, value in ddp.items():
         torch.testing.assert_close(sharded[name], value, rtol=0, atol=2e-7)
+    assert all(i["autocast_seen"] == [True] for i in info(runs, "fsdp2-bf16"))
+
+
+def test_mixed_precision_leaves_fsdp2s_own_policy_alone(runs: Path) -> None:
+    """``configure_model`` shards with FSDP2's bf16 ``MixedPrecisionPolicy``
+    (``fsdp_mp_policy``): the service reads the policy through the adapter and does not
+    autocast on top of it, so the run equals the same policy with no sakura precision
+    service, bit for bit, and it did train in bf16 (unlike the fp32 run)."""
+    with_service, plain = weights(runs, "policy-bf16"), weights(runs, "policy-plain")
+    fp32 = weights(runs, "fsdp2-32")
+    assert any(not torch.equal(with_service[k], fp32[k]) for k in fp32), "the policy cast"
+    for name, value in plain.items():
+        assert value.dtype == torch.float32  # the shards the optimizer steps stay fp32
+        torch.testing.assert_close(with_service[name], value, rtol=0, atol=0)
+    for rank_info in info(runs, "policy-bf16"):
+        assert rank_info["autocast_seen"] == [False]
+        assert rank_info["fsdp_reason"] is not None
+        assert set(rank_info["param_types"].values()) == {"DTensor"}
+    assert all(i["autocast_seen"] == [False] for i in info(runs, "policy-plain"))
