@@ -583,7 +583,7 @@ def demo_finetune(session: nox.Session) -> None:
 FASTEST_FINETUNE_SERVICES = (
     "quant:nf4,matmul_dtype=bf16",
     "mixed_precision:bf16-mixed",
-    "kernels:true,fused_lora=true,attention=true",
+    "kernels:true,fused_lora=true,attention=true,keep_expanded=true",
     "chunked_loss",
     "offload_adamw",
 )

@@ -41,7 +41,7 @@ sakura is faster) and the step's fraction of the GEMM limit (``gemm`` time / ste
 the same trial); the CPU and the load before and after.  ``--profile``: then one traced step
 of each variant with the operators of most self CPU time.
 
-Run: ``python benchmarks/qlora_step.py`` (the 6 default variants, 5 trials, 2 x 256 tokens,
+Run: ``python benchmarks/qlora_step.py`` (the 7 default variants, 5 trials, 2 x 256 tokens,
 1 thread: about 10 minutes on a shared 2-core machine at load 6-8, loading the variants one
 after the other is a third of it; each variant holds 1-2 GiB); ``--variants`` to choose,
 ``--profile``, ``--json``.  Earlier runs also measured ``bnb:autocast,attn=eager`` (storage
@@ -78,8 +78,9 @@ DEFAULT_VARIANTS = (
     "bnb:autocast,attn=sdpa,storage=bf16",
     "sakura:autocast,attn=eager,kernels,fuse,chunked",
     "sakura:autocast,attn=sakura,kernels,fuse,chunked",
+    "sakura:autocast,attn=sakura,kernels,fuse,keep,chunked",
 )
-FASTEST = "sakura:autocast,attn=sakura,kernels,fuse,chunked"
+FASTEST = "sakura:autocast,attn=sakura,kernels,fuse,keep,chunked"
 """The configuration sakura ships as its fastest (docs/kernels.md, ``nox -s demo-finetune``);
 ``quant_quality.py``'s ``nf4-fast`` runs the same pieces."""
 """Each variant holds about 1-2 GiB while the others run: add ``gc``, ``weights=fp32`` or

@@ -44,6 +44,10 @@ def test_options_are_validated() -> None:
         Kernels("maybe")
     with pytest.raises(ValueError, match=r"fused_lora=1.*'auto', True, False"):
         Kernels(fused_lora=1)
+    with pytest.raises(ValueError, match=r"attention='on'.*'auto', True, False"):
+        Kernels(attention="on")
+    with pytest.raises(ValueError, match=r"keep_expanded"):
+        Kernels(keep_expanded="sometimes")
     with SakuraRuntime() as rt, pytest.raises(Exception, match="kernels='yes'"):
         rt.install("kernels:yes")
     with pytest.raises(ValueError, match="model"):
@@ -106,7 +110,7 @@ def test_auto_patches_a_quantized_model_and_fuses_its_lora(
     assert is_quantized(reference) and not is_quantized(make_model("llama"))
     model = copy.deepcopy(reference)
     with SakuraRuntime(strict=True) as rt:
-        service = rt.install("kernels")
+        service = rt.install("kernels:auto,keep_expanded=true")
         rt.prepare(model)
         (report,) = service.reports
         assert report.count("rms_norm") == 5 and report.count("glu") == 2, report

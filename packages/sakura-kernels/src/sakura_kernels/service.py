@@ -2,7 +2,7 @@
 request, fused LoRA) into the model it is given.
 
 Spec: ``kernels``, ``kernels:true``, ``kernels:false``, ``kernels:auto,fused_lora=true``,
-``kernels:true,attention=false``.
+``kernels:true,attention=false``, ``kernels:true,keep_expanded=true``.
 
 * ``enabled`` (the positional option): ``"auto"`` (default), True or False.  ``"auto"``
   patches only when the frozen weights are quantized (a module shaped like sakura-quant's
@@ -12,6 +12,9 @@ Spec: ``kernels``, ``kernels:true``, ``kernels:false``, ``kernels:auto,fused_lor
   bit-exact unless asked.
 * ``fused_lora``: ``"auto"`` (default: on when the base is quantized), True or False;
   runs :func:`sakura_kernels.lora.fuse_lora` on the model.
+* ``keep_expanded``: False (default) or True: fused LoRA keeps a quantized base's forward
+  expansion for backward instead of expanding again (``fuse_lora(keep_expanded=True)``:
+  faster, one full-precision weight per layer held from forward to backward).
 * ``attention``: ``"auto"`` (default: on when the base is quantized and the model is on the
   CPU), True or False: the Hugging Face model inside (a PEFT wrapper is looked through) runs
   sakura-kernels' fused CPU attention
@@ -31,7 +34,7 @@ from typing import Any
 
 from torch import nn
 
-from sakura.options import check_choice, option_error
+from sakura.options import check_bool, check_choice, option_error
 from sakura.service import Service
 
 __all__ = ["Kernels", "is_quantized"]
@@ -63,11 +66,17 @@ class Kernels(Service):
     priority = 15  # after quantization (5), before the chunked loss (20) and compilation
 
     def __init__(
-        self, enabled: Any = "auto", *, fused_lora: Any = "auto", attention: Any = "auto"
+        self,
+        enabled: Any = "auto",
+        *,
+        fused_lora: Any = "auto",
+        attention: Any = "auto",
+        keep_expanded: Any = False,
     ) -> None:
         self.enabled: Any = check_choice("kernels", enabled, _CHOICES, owner=_OWNER)
         self.fused_lora: Any = check_choice("fused_lora", fused_lora, _CHOICES, owner=_OWNER)
         self.attention: Any = check_choice("attention", attention, _CHOICES, owner=_OWNER)
+        self.keep_expanded = check_bool("keep_expanded", keep_expanded, owner=_OWNER)
         self._attention: list[tuple[weakref.ref[nn.Module], str]] = []
         self.reports: list[Any] = []
         self.lora_reports: list[Any] = []
@@ -77,7 +86,7 @@ class Kernels(Service):
     def __repr__(self) -> str:
         return (
             f"Kernels(enabled={self.enabled!r}, fused_lora={self.fused_lora!r}, "
-            f"attention={self.attention!r})"
+            f"attention={self.attention!r}, keep_expanded={self.keep_expanded!r})"
         )
 
     def wrap_model(self, model: Any) -> Any:
@@ -92,7 +101,7 @@ class Kernels(Service):
         if self.fused_lora is True or (self.fused_lora == "auto" and quantized):
             from sakura_kernels.lora import fuse_lora
 
-            self.lora_reports.append(fuse_lora(model))
+            self.lora_reports.append(fuse_lora(model, keep_expanded=self.keep_expanded))
             self._fused.add(model)
         on_cpu = all(p.device.type == "cpu" for p in model.parameters())
         if self.attention is True or (self.attention == "auto" and quantized and on_cpu):
