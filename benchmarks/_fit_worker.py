@@ -163,28 +163,35 @@ def _recompute_all(model: Any, ids: Any) -> Any:
 
 
 def warm_runtime(spec: dict[str, Any]) -> None:
-    """One training step of a tiny Llama of its own, with AdamW and OffloadAdamW steps, then
-    freed and the heap trimmed: the libraries' one-time allocations (thread pools, kernel
-    caches, the autograd engine) happen before the baseline, as their imports do.  Its
-    own model and batch are gone before the baseline; nothing of the measured model is."""
+    """One training step of a one-layer PEFT LoRA Llama of its own (the measured model's
+    widths), with AdamW and OffloadAdamW steps, then freed and the heap trimmed: the
+    libraries' one-time allocations (peft's back-ends, BLAS workspaces, thread pools,
+    kernel caches, the autograd engine) happen before the baseline, as their imports do.
+    Its own model and batch are gone before the baseline; nothing of the measured model
+    is."""
     import ctypes
 
     import torch
+    from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from sakura_offload import OffloadAdamW
 
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-                         max_position_embeddings=spec["seq"], use_cache=False)  # fmt: skip
+    # One layer of the measured model's widths: the BLAS library's workspaces for its
+    # matrix shapes (MKL keeps ~30 MiB of them) are the library's, allocated once.
+    config = LlamaConfig(**{**spec["config"], "num_hidden_layers": 1})
     tiny = LlamaForCausalLM(config)
-    ids = torch.randint(0, 64, (spec["batch"], spec["seq"]))
+    # peft's first get_peft_model loads its optional back-ends (bitsandbytes' CPU kernels
+    # among them): about 55 MiB of anonymous memory, once per process, not the model's.
+    tiny = get_peft_model(tiny.requires_grad_(False), LoraConfig(r=2, target_modules=["q_proj"]))
+    ids = torch.randint(0, config.vocab_size, (spec["batch"], spec["seq"]))
     tiny(input_ids=ids, labels=ids).loss.backward()
-    torch.optim.AdamW(tiny.parameters()).step()
-    host = OffloadAdamW(tiny.parameters())
+    trainable = [p for p in tiny.parameters() if p.requires_grad]
+    torch.optim.AdamW(trainable).step()
+    host = OffloadAdamW(trainable)
     host.step()
     host.synchronize()
-    del tiny, host, ids
+    del tiny, host, ids, trainable
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)

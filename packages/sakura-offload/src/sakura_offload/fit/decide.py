@@ -243,13 +243,20 @@ def _fits(plan: FitPlan, budgets: Budgets) -> bool:
     return budgets.disk is None or plan.disk_bytes <= budgets.disk
 
 
-def decide(sizes: ModelSizes, budgets: Budgets, options: Sequence[FitOption] = ()) -> FitPlan:
+def decide(
+    sizes: ModelSizes,
+    budgets: Budgets,
+    options: Sequence[FitOption] = (),
+    *,
+    forced: FitOption | None = None,
+) -> FitPlan:
     """The first plan that fits (see the module docstring); ``options``: what the fit
-    choices offer, tried cheapest first only when nothing fits without them.  Raises
-    :class:`FitError` naming the smallest budgets that would fit."""
+    choices offer, tried cheapest first only when nothing fits without them; ``forced``:
+    the one option every plan applies (the user asked for it: ``quantize="nf4"``).
+    Raises :class:`FitError` naming the smallest budgets that would fit."""
     ranked = sorted(options, key=lambda o: (o.cost, -o.bytes_saved))
     tried: list[FitPlan] = []
-    for option in [None, *ranked]:
+    for option in [None, *ranked] if forced is None else [forced]:
         shrunk = sizes if option is None else sizes.shrunk(option)
         for plan in candidates(shrunk, budgets, option):
             tried.append(plan)

@@ -20,8 +20,9 @@ from torch import nn
 from sakura import Service
 from sakura.events import OnLog
 from sakura.options import check_number
+from sakura_offload.fit.heap import trim_heap
 from sakura_offload.fit.metrics import FitMetrics
-from sakura_offload.fit.wrap import FitState, apply_fit, fit_options, plan_fit
+from sakura_offload.fit.wrap import FitState, apply_fit, fit_options, plan_fit, trims_heap
 
 __all__ = ["Fit"]
 
@@ -106,6 +107,8 @@ class Fit(Service):
             self._adamw.on_optimizer_step(event)
         if self.state is not None and self.state.replanner is not None:
             self.state.replanner.after_step()  # measures the first step; may re-plan once
+        if self.state is not None and trims_heap(self.state.plan):
+            trim_heap()  # the step's freed pages back to the OS (fit.heap)
         self.metrics.step(event.epoch, event.step, self._emit_log)
 
     def _emit_log(self, metrics: Any, epoch: int, step: int) -> None:

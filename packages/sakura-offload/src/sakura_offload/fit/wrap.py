@@ -24,6 +24,7 @@ from torch import nn
 from sakura.options import check_bool, check_choice, check_int, option_error
 from sakura_offload.fit.choices import FitChoice, FitOption, fit_choices
 from sakura_offload.fit.decide import Budgets, FitError, FitPlan, ModelSizes, decide
+from sakura_offload.fit.heap import HeapTrim, trim_heap
 from sakura_offload.fit.report import plan_table
 from sakura_offload.host_optimizer.options import check_moment_dtype
 from sakura_offload.host_optimizer.placement import default_moment_budget
@@ -56,6 +57,9 @@ class FitState:
     bandwidths: dict[str, float] = dataclasses.field(default_factory=dict)
     """Probed one-way copy bandwidth (bytes/s) to the device of each tier weights stream
     from (the plan's expected extra time per block is computed from it)."""
+    heap_trim: Any = None
+    """The :class:`~.heap.HeapTrim` returning the C heap's free pages after each optimizer
+    step, when the plan moves something off the device (:func:`trims_heap`)."""
 
 
 def fit_options(
@@ -65,6 +69,7 @@ def fit_options(
     disk_offload: Any = None,
     blocks: Any = None,
     choices: Any = "auto",
+    quantize: Any = "auto",
     moment_dtype: Any = "auto",
     activations: Any = "auto",
     activation_reserve: Any = 0,
@@ -96,6 +101,19 @@ def fit_options(
             owner=owner,
         )
     check_choice("activations", activations, ACTIVATIONS, owner=owner)
+    if quantize in (None, False, "none"):
+        quantize = None
+    elif not isinstance(quantize, str) or not quantize:
+        raise option_error(
+            "quantize",
+            quantize,
+            "'auto' (a fit choice only when nothing fits without one), None / False / 'none', "
+            "or an option a registered fit choice offers (sakura-quant's quantize_base: "
+            "'int8', 'nf4'; or 'choice:option')",
+            owner=owner,
+        )
+    if quantize is None:
+        names = ()
     return {
         "device_budget": parse_bytes("device_budget", device_budget, minimum=1, allow_none=True,
                                      owner=owner),
@@ -103,6 +121,7 @@ def fit_options(
         "disk_offload": None if disk_offload is None else Path(disk_offload),
         "blocks": validate_selector(blocks, owner=owner),
         "choices": names,
+        "quantize": quantize,
         "moment_dtype": check_moment_dtype(moment_dtype, owner=owner),
         "activations": activations,
         "activation_reserve": parse_bytes("activation_reserve", activation_reserve, owner=owner),
@@ -229,7 +248,26 @@ def plan_fit(
     for choice in choices.values():
         if choice.applies(model):
             offered.extend(choice.estimate(model, **context))
-    return decide(sizes, budgets, offered), choices, budgets
+    forced = _forced_option(options.get("quantize", "auto"), offered)
+    return decide(sizes, budgets, offered, forced=forced), choices, budgets
+
+
+def _forced_option(quantize: str | None, offered: list[FitOption]) -> FitOption | None:
+    """The fit option ``quantize=`` names (None for ``"auto"`` / None): matched by its
+    name (``"nf4"``) or its label (``"quantize_base:nf4"``) among those offered."""
+    if quantize in (None, "auto"):
+        return None
+    matches = [o for o in offered if quantize in (o.name, o.label)]
+    if len(matches) != 1:
+        known = ", ".join(repr(o.label) for o in offered) or "none: no fit choice applies"
+        raise option_error(
+            "quantize",
+            quantize,
+            f"'auto', None / 'none', or exactly one option a fit choice offers for this model "
+            f"({known}){'; the name is ambiguous, give choice:option' if matches else ''}",
+            owner="wrap",
+        )
+    return matches[0]
 
 
 def apply_fit(
@@ -277,12 +315,13 @@ class _Applied:
         self.paging: Any = None
         self.planner: Any = None
         self.replanner: Any = None
+        self.heap_trim: Any = None
 
     def roll_back(self, error: BaseException) -> None:
         self.model.__dict__.pop(_ATTR, None)
         undone: list[str] = []
-        for what, part in (("replanner", self.replanner), ("planner", self.planner),
-                           ("paging", self.paging)):  # fmt: skip
+        for what, part in (("heap trim", self.heap_trim), ("replanner", self.replanner),
+                           ("planner", self.planner), ("paging", self.paging)):  # fmt: skip
             if part is None:
                 continue
             try:
@@ -375,6 +414,10 @@ def _apply_parts(
             planner.replanner = replanner
     if paging is not None:
         state.bandwidths = weight_bandwidths(model, plan, options)
+    if trims_heap(plan):
+        trim_heap()  # what applying the plan freed (copies, bandwidth probes)
+        if optimizer is not None:
+            state.heap_trim = parts.heap_trim = HeapTrim(optimizer)
     dev = _device(model)
     if dev.type == "cuda":  # the step's measured peak counts from here
         torch.cuda.reset_peak_memory_stats(dev)
@@ -389,6 +432,13 @@ _ACCUMULATION_ADVICE = (
 )
 """The end of OffloadAdamW's error for a backward pass beyond ``accumulation_steps``, when
 fit built the optimizer."""
+
+
+def trims_heap(plan: FitPlan) -> bool:
+    """Whether ``fit`` returns the C heap's free pages after applying ``plan`` and after
+    each optimizer step (:mod:`.heap`): when the plan moves something off the device (the
+    host budget then holds), not for a plan that keeps everything resident."""
+    return plan.weights != "resident" or plan.optimizer == "host" or plan.option is not None
 
 
 def weight_bandwidths(model: nn.Module, plan: FitPlan, options: dict[str, Any]) -> dict[str, float]:
@@ -448,6 +498,7 @@ def _activation_planner(fixed: int) -> Any:
 
 def _planned(plan: Any) -> None:
     _LOG.debug("fit: activations planned: %s", plan.choices)
+    trim_heap()  # the measuring forward's and the timed trials' pages (fit.heap)
 
 
 def wrap(model: nn.Module, optimizer: Any = None, **options: Any) -> tuple[nn.Module, Any]:
@@ -479,6 +530,8 @@ def unwrap(model: nn.Module) -> nn.Module:
     state = model.__dict__.pop(_ATTR, None)
     if state is None:
         raise ValueError("unwrap: the model was not wrapped by sakura_offload.wrap")
+    if state.heap_trim is not None:
+        state.heap_trim.remove()
     if state.replanner is not None:
         state.replanner.remove()
     if state.planner is not None:

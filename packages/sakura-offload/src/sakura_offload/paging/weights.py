@@ -32,6 +32,7 @@ from torch import nn
 
 from sakura.marks import WEIGHTS_STREAMED, clear_mark, set_mark
 from sakura.options import check_choice, check_int, option_error
+from sakura_offload.paging.mapped import mapped_empty_like
 from sakura_offload.paging.weight_store import (
     FrozenTensor,
     WeightStore,
@@ -367,8 +368,8 @@ class WeightPaging:
                     block.event = torch.cuda.Event()
                     block.event.record(stream)
         else:
-            for pname, host in block.host.items():
-                live[pname] = torch.empty_like(host).copy_(host)
+            for pname, host in block.host.items():  # a map each: the heap stays unsplit
+                live[pname] = mapped_empty_like(host).copy_(host)
         block.live = live
         for pname, fresh in live.items():
             self._by_storage[fresh.untyped_storage().data_ptr()] = (block, pname)

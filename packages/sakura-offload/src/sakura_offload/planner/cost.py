@@ -225,11 +225,21 @@ def copy_bandwidth(
         for _ in range(rounds):
             _sync(device)
             start = time.perf_counter()
-            copies = [s.to(device, copy=True, non_blocking=True) for s in sources]
+            copies = [_copy_to(s, device) for s in sources]
             _sync(device)
             best = min(best, time.perf_counter() - start)
             del copies
     return nbytes / max(best, 1e-9)
+
+
+def _copy_to(source: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``source`` copied to ``device`` as weight streaming copies it (on a CPU, into a
+    memory map of its own: :func:`~sakura_offload.paging.mapped.mapped_empty_like`)."""
+    if device.type == "cpu":
+        from sakura_offload.paging.mapped import mapped_empty_like
+
+        return mapped_empty_like(source).copy_(source)
+    return source.to(device, copy=True, non_blocking=True)
 
 
 def cached_costs(planner: MemoryPlanner) -> dict[int, dict[str, float]] | None:
