@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import logging
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from sakura import (
     SakuraRuntime,
     Service,
 )
+from sakura.events import Event
 from sakura.options import OptionError
 from sakura.testing import RecordingService
 
@@ -240,6 +242,55 @@ def test_event_types_limits_catch_all_delivery() -> None:
     rt.emit(OnEpochBegin)
     rt.emit(OnEpochEnd)
     assert rec.names == ["OnEpochEnd"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OnThingDone(Event):
+    """An event a package defines for itself (not one of the core's)."""
+
+    path: str = ""
+
+
+def test_a_package_event_reaches_the_services_that_name_it_in_priority_order() -> None:
+    late = RecordingService("late", priority=50, event_types={OnThingDone, OnEpochEnd})
+    early = RecordingService("early", priority=10, event_types={OnThingDone})
+    catch_all = RecordingService("all", priority=0)  # the core's events only
+    order: list[str] = []
+    for rec in (late, early):
+        rec.on_event = (lambda r: lambda e: (order.append(r.name), r.events.append(e)))(rec)  # type: ignore[method-assign]
+    rt = SakuraRuntime([late, early, catch_all])
+    delivered = rt.emit(OnThingDone, step=7, path="/x")
+    rt.emit(OnEpochEnd)
+    assert order == ["early", "late", "late"]
+    assert delivered is not None and delivered.path == "/x" and delivered.step == 7
+    assert delivered.rank == rt.rank and delivered.world_size == rt.world_size
+    assert early.names == ["OnThingDone"]
+    assert late.names == ["OnThingDone", "OnEpochEnd"]
+    assert catch_all.names == ["OnEpochEnd"]
+
+
+def test_a_package_event_nobody_names_is_not_built() -> None:
+    rt = SakuraRuntime([RecordingService(event_types={OnEpochEnd}), RecordingService("all")])
+    assert rt.emit(OnThingDone, path="/x") is None
+
+
+def test_a_package_event_subscriber_that_raises_is_isolated(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    failing = RecordingService(
+        "failing", priority=0, event_types={OnThingDone}, fail_on={"OnThingDone"}
+    )
+    watcher = RecordingService("watcher", priority=10, event_types={OnThingDone, OnError})
+    rt = SakuraRuntime([failing, watcher])
+    with caplog.at_level(logging.ERROR, logger="sakura"):
+        rt.emit(OnThingDone, path="/x")
+    assert watcher.names == ["OnError", "OnThingDone"]  # OnError as the failure happens
+    assert [type(e.event).__name__ for e in rt.errors] == ["OnThingDone"]
+    strict = SakuraRuntime(
+        [RecordingService(event_types={OnThingDone}, fail_on={"OnThingDone"})], strict=True
+    )
+    with pytest.raises(RuntimeError):
+        strict.emit(OnThingDone, path="/x")
 
 
 def test_invalid_event_types_rejected() -> None:

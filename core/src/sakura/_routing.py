@@ -2,7 +2,8 @@
 
 :class:`~sakura.SakuraRuntime` rebuilds these on every install/uninstall, never per step.
 For each event class it resolves the tuple of handlers (specific hooks and ``on_event``
-catch-alls, in service priority order) and generates a straight-line ``dispatch(event)``
+catch-alls, in service priority order; a package's own event class, to the services whose
+``event_types`` name it) and generates a straight-line ``dispatch(event)``
 function over them; for each coordinated call it resolves the tuple of
 ``(service, bound method)`` pairs.  Kept apart from the runtime so that the registry
 (install, uninstall, lifecycle) and the hot-path machinery can be read separately, as
@@ -52,6 +53,11 @@ def build_routes(services: Iterable[Any]) -> Routes:
             if specific is not None:
                 table.setdefault(event_cls, []).append(specific)
             if catch_all is not None and (wanted_set is None or event_cls in wanted_set):
+                table.setdefault(event_cls, []).append(catch_all)
+        if catch_all is not None and wanted_set is not None:
+            # A package's own event class (not one of the core's) reaches the services
+            # that name it; catch-alls are written against the core's events and skip it.
+            for event_cls in wanted_set.difference(EVENT_TYPES):
                 table.setdefault(event_cls, []).append(catch_all)
         for hook, method in hooks.items():
             if hook not in EVENT_HOOKS and hook != "on_event":

@@ -60,7 +60,7 @@ from sakura.options import (
 )
 from sakura.runtime import SakuraRuntime
 from sakura_async._model import unwrap_model
-from sakura_async.checkpoint.durable import OnCheckpointDurable, publish
+from sakura_async.checkpoint.durable import OnCheckpointDurable
 from sakura_async.checkpoint.encoding import FORMATS
 from sakura_async.checkpoint.pending import (
     PendingCopy,
@@ -893,9 +893,8 @@ class AsyncCheckpoint(Service):
         rt = self.rt
         if rt is None:
             return
-        event = OnCheckpointDurable(
-            rank=rt.rank,
-            world_size=rt.world_size,
+        rt.emit(
+            OnCheckpointDurable,
             step=item.step,
             epoch=item.epoch,
             path=path,
@@ -904,7 +903,6 @@ class AsyncCheckpoint(Service):
             metric=item.metric,
             source=self.name,
         )
-        publish(rt, event)
 
     def _fail(self, error: BaseException, step: int, epoch: int) -> None:
         self.errors.append(error)
