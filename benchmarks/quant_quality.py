@@ -34,7 +34,8 @@ stream, norms and embeddings fp32; every matmul bf16 under autocast); ``nf4-fast
 ``nf4-bf16e2e`` as ``qlora_step.py``'s fastest variant and the fine-tuning demo run it:
 sakura-kernels' fused attention (``register_attention``), fused blocks (``patch_model``) and fused LoRA
 (``fuse_lora``), the fine-tune's loss from the hidden states (``causal_lm_loss``, the
-chunked loss); and ``bnb-nf4``: the same weights quantized by
+chunked loss); ``nf4-fast32``: the same pieces with the model left in fp32 (residual stream,
+norms, embeddings; the products bf16 under autocast); and ``bnb-nf4``: the same weights quantized by
 bitsandbytes' ``quantize_4bit`` and expanded by its ``dequantize_4bit``, which must give
 ``nf4``'s perplexity to the last digit (checked, before and after the fine-tune).
 
@@ -101,6 +102,7 @@ FORMATS = (
     "nf4-bf16e2e",
     "nf4-bf16ac",
     "nf4-fast",
+    "nf4-fast32",
     "fp8",
     "nvfp4",
     "nvfp4-k",
@@ -290,12 +292,12 @@ def quantize(model: Any, fmt: str, args: argparse.Namespace) -> dict[str, int]:
         kwargs["keep_precise"] = args.keep_precise
     elif option == "l":
         kwargs.update(error_rank=args.rank, error_iters=args.error_iters)
-    elif option in ("bf16", "bf16e2e", "bf16ac", "fast"):
+    elif option in ("bf16", "bf16e2e", "bf16ac", "fast", "fast32"):
         kwargs["matmul_dtype"] = "bf16"
     stats: dict[str, int] = quantize_model(model, name, **kwargs)
     if option in ("bf16e2e", "fast"):
         rest_to_bf16(model)
-    if option == "fast":
+    if option in ("fast", "fast32"):
         from sakura_kernels import patch_model, register_attention
 
         model.set_attn_implementation(register_attention())
@@ -318,7 +320,7 @@ def rest_to_bf16(model: Any) -> None:
                 param.data = param.data.to(torch.bfloat16)
 
 
-AUTOCAST_FORMATS = ("bf16e2e", "bf16ac", "fast")
+AUTOCAST_FORMATS = ("bf16e2e", "bf16ac", "fast", "fast32")
 """Formats whose fine-tune and evaluation run under bf16 autocast with PEFT's casting off."""
 
 
@@ -355,7 +357,7 @@ def with_lora(model: Any, args: argparse.Namespace, seed: int) -> Any:
     config = peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=PROJECTIONS)
     lora = peft.get_peft_model(model, config)
     init_lora_from_error(lora)  # LoftQ layers only; 0 elsewhere
-    if getattr(model, "_quality_format", "").endswith("-fast"):
+    if getattr(model, "_quality_format", "").endswith(("-fast", "-fast32")):
         from sakura_kernels import fuse_lora
 
         fuse_lora(lora)
@@ -374,7 +376,7 @@ def finetune(lora: Any, tokens: Any, args: argparse.Namespace, seed: int, fmt: s
         starts = torch.randint(0, span, (args.batch,), generator=gen)
         ids = torch.stack([tokens[s : s + args.seq] for s in starts.tolist()])
         with forward_autocast(fmt):
-            if fmt.endswith("-fast"):
+            if fmt.endswith(("-fast", "-fast32")):
                 from sakura_kernels import causal_lm_loss
 
                 loss = causal_lm_loss(lora, ids, ids)
