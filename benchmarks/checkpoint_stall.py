@@ -25,10 +25,13 @@ as little).
 
 ``--fsdp`` measures the sharded case instead: an FSDP2 (``fully_shard``) MLP with AdamW on
 2 gloo ranks (``torch.multiprocessing``), checkpointing every ``--every`` steps with
-sakura-async's ``ShardedCheckpoint`` (DCP ``async_save`` staging + an atomic commit on a
-side group), DCP's own ``async_save`` (staging, no commit), and a blocking ``dcp.save``;
-the training stall per checkpoint on rank 0, medians over each trial, per-trial ratios to
-the blocking save.
+the ``AsyncCheckpoint`` service (what a user installs: on an FSDP2 model it drives
+``ShardedCheckpoint``), the service with ``overlap=True`` (DCP's staging copy runs during the
+next forward/backward), ``ShardedCheckpoint`` called directly (DCP ``async_save`` staging + an
+atomic commit on a side group), DCP's own ``async_save`` (staging, no commit), and a blocking
+``dcp.save``; the training stall per checkpoint on rank 0 (for the service: every moment the
+loop spends inside its events, summed per interval of ``--every`` steps), medians over each
+trial, per-trial ratios to the blocking save.
 
     python benchmarks/checkpoint_stall.py --fsdp [--steps 12] [--every 3] [--trials 3]
 """
@@ -197,18 +200,74 @@ def zstd_sizes(root: str) -> list[tuple[str, int, int, float, float]]:
     return out
 
 
-FSDP_WIDTH, FSDP_LAYERS, FSDP_METHODS = 1024, 4, ("ShardedCheckpoint", "dcp.async_save", "dcp.save")
+FSDP_WIDTH, FSDP_LAYERS = 1024, 4
+FSDP_METHODS = (
+    "AsyncCheckpoint",
+    "AsyncCheckpoint overlap",
+    "ShardedCheckpoint",
+    "dcp.async_save",
+    "dcp.save",
+)
+
+
+def _fsdp_service_trial(
+    overlap: bool, model: Any, optimizer: Any, args: Any, root: str, rank: int, world: int
+) -> list[float]:
+    """One run with the AsyncCheckpoint service; the time the loop spends in the
+    service's events, per interval of ``--every`` steps (one save each)."""
+    from sakura import OnOptimizerStep, OnTrainEnd
+    from sakura_async import AsyncCheckpoint
+
+    service = AsyncCheckpoint(
+        os.path.join(root, "service"), every=f"{args.every} steps", keep=1, overlap=overlap
+    )
+    inside = 0.0
+    stalls = []
+    with SakuraRuntime([service], rank=rank, world_size=world) as rt:
+
+        def emit(event: Any, **fields: Any) -> None:
+            nonlocal inside
+            t0 = time.perf_counter()
+            rt.emit(event, model=model, **fields)
+            inside += time.perf_counter() - t0
+
+        emit(OnTrainBegin, step=0, optimizer=optimizer)
+        for step in range(1, args.steps + 1):
+            model(torch.randn(BATCH, FSDP_WIDTH)).pow(2).mean().backward()
+            emit(OnBeforeOptimizerStep, step=step - 1, optimizer=optimizer)
+            optimizer.step()
+            emit(OnOptimizerStep, step=step, optimizer=optimizer)
+            optimizer.zero_grad()
+            emit(OnTrainStepEnd, step=step)
+            if step % args.every == 0:
+                stalls.append(inside)
+                inside = 0.0
+        emit(OnTrainEnd, step=args.steps)
+    if service.errors or len(service.saved) != args.steps // args.every:
+        raise RuntimeError(f"AsyncCheckpoint failed: {service.errors!r}, saved {service.saved}")
+    return stalls
 
 
 def _fsdp_trial(
     method: str, model: Any, optimizer: Any, side: Any, args: Any, root: str
 ) -> list[float]:
     """One run of ``--steps`` steps checkpointing with ``method``; the stall of each save."""
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from sakura_async.checkpoint import ShardedCheckpoint
 
+    if method.startswith("AsyncCheckpoint"):
+        return _fsdp_service_trial(
+            method.endswith("overlap"),
+            model,
+            optimizer,
+            args,
+            root,
+            dist.get_rank(),
+            dist.get_world_size(),
+        )
     ckpt = (
         ShardedCheckpoint(os.path.join(root, "sakura"), keep=1)
         if method == "ShardedCheckpoint"
@@ -266,7 +325,8 @@ def _fsdp_rank(rank: int, world: int, init: str, root: str, args: Any) -> None:
     medians: dict[str, list[float]] = {m: [] for m in FSDP_METHODS}
     spreads: dict[str, list[float]] = {m: [] for m in FSDP_METHODS}
     for trial in range(args.trials):
-        for method in FSDP_METHODS[trial % 3 :] + FSDP_METHODS[: trial % 3]:  # interleaved
+        turn = trial % len(FSDP_METHODS)
+        for method in FSDP_METHODS[turn:] + FSDP_METHODS[:turn]:  # interleaved
             stalls = _fsdp_trial(
                 method, model, optimizer, side, args, os.path.join(root, str(trial))
             )
