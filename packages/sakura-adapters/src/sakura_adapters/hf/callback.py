@@ -25,6 +25,7 @@ from sakura_adapters.hf.checks import (
     check_services,
     check_single_compiler,
     is_compiled,
+    warn_if_fsdp_fell_back,
 )
 from sakura_adapters.hf.optimizer import mark_step_skipped, service_optimizer
 from sakura_adapters.hf.state import checkpoint_dir, find_checkpoint, load_state, save_state
@@ -288,6 +289,7 @@ class HFAdapter(TrainerCallback):
         self._set_rank(args)
         trainer = self._trainer
         check_services(self.rt, args, trainer)
+        warn_if_fsdp_fell_back(args, model)
         self._warn_unemitted()
         if trainer is None:
             self._wraps.check_model_wrapped(model, sakura_trainer=False)

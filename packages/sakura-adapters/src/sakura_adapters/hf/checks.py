@@ -7,6 +7,7 @@ control precision, or both compile the model, are a ``ValueError`` naming both.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -23,7 +24,10 @@ __all__ = [
     "check_services",
     "check_single_compiler",
     "is_compiled",
+    "warn_if_fsdp_fell_back",
 ]
+
+logger = logging.getLogger("sakura.adapters.hf")
 
 # Coordinated calls a TrainerCallback cannot carry out on the stock Trainer.
 TRAINER_ONLY_CALLS = ("wrap_loss", "unscale_gradients", "optimizer_step")
@@ -116,3 +120,46 @@ def check_services(rt: SakuraRuntime, args: Any, trainer: Any) -> None:
                 f"gradients before clipping or take over the optimizer step. Training was "
                 f"not started; {USE_SAKURA_TRAINER}"
             )
+
+
+def _is_sharded(model: Any) -> bool:
+    """Whether ``model`` (or what it wraps) is sharded by FSDP2 (DTensor parameters) or
+    wrapped by FSDP1."""
+    if type(model).__name__ == "FullyShardedDataParallel":
+        return True
+    inner = getattr(model, "module", model)
+    if not isinstance(inner, nn.Module):
+        return False
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor has no FSDP2 either
+        return False
+    return any(isinstance(p, DTensor) for p in inner.parameters())
+
+
+def warn_if_fsdp_fell_back(args: Any, model: Any) -> bool:
+    """Log a warning when ``TrainingArguments.fsdp`` asked for FSDP but the model the
+    Trainer trains is not sharded (returns whether it warned).
+
+    accelerate turns FSDP on only for GPU-like devices: on a CPU the Trainer silently trains
+    the whole model on every rank under DDP instead (accelerate 1.16), which is correct but
+    holds N copies of the weights and optimizer state.  A user who asked for sharding
+    should hear that it did not happen.
+    """
+    requested = getattr(args, "fsdp", None)
+    if not requested or model is None or _is_sharded(model):
+        return False
+    if isinstance(requested, (list, tuple)):  # older transformers: a list of FSDPOption
+        options = " ".join(str(getattr(o, "value", o)) for o in requested)
+    else:  # transformers 5: True, the options moved into fsdp_config
+        options = str(requested)
+    logger.warning(
+        "TrainingArguments.fsdp=%s asked for FSDP, but the model is not sharded: accelerate "
+        "enables FSDP only on GPU-like devices, so on %s the Trainer trains the whole model "
+        "on every rank (DDP). Every rank holds all weights and optimizer state; sakura's "
+        "services run as under DDP. On a CPU, shard with a raw loop or Lightning's "
+        "ModelParallelStrategy (docs/scaling.md).",
+        options,
+        getattr(args, "device", "this device"),
+    )
+    return True
