@@ -108,6 +108,7 @@ def apply_by_hand(model: Any, optimizer: Any, spec: dict[str, Any]) -> tuple[Any
     """The hand-made combination ``spec["hand"]``: quantize the base, stream its blocks,
     move the optimizer to the host, plan or recompute the activations; in ``fit``'s order."""
     from sakura_offload import MemoryPlanner, OffloadAdamW, WeightPaging
+    from sakura_offload.fit.heap import HeapTrim, trim_heap
 
     hand = spec["hand"]
     if hand["format"] != "fp32":
@@ -126,6 +127,14 @@ def apply_by_hand(model: Any, optimizer: Any, spec: dict[str, Any]) -> tuple[Any
         )
     if hand["optimizer"] != "adamw":
         optimizer = OffloadAdamW.from_optimizer(optimizer, moment_dtype=hand["optimizer"])
+    # The heap discipline fit applies with such a plan (sakura_offload.fit.heap): without it
+    # the heap's freed pages stay resident and no such plan holds its RSS budget on a CPU.
+    moved = (
+        hand["weights"] != "resident" or hand["optimizer"] != "adamw" or hand["format"] != "fp32"
+    )
+    if moved:
+        trim_heap()
+        spec["_heap_trim"] = HeapTrim(optimizer)
     planner = None
     if hand["activations"] == "planner":
         planner = MemoryPlanner(
@@ -135,13 +144,20 @@ def apply_by_hand(model: Any, optimizer: Any, spec: dict[str, Any]) -> tuple[Any
             directory=spec["directory"],
         )
         # It decides after its measuring forward only when someone listens (as fit does).
-        planner.on_planned = _planned
+        planner.on_planned = _planned_trim if moved else _planned
         planner.attach(model)
     return optimizer, paging, planner
 
 
 def _planned(plan: Any) -> None:
     """The hand-made planner's listener: it decides at the first training forward."""
+
+
+def _planned_trim(plan: Any) -> None:
+    """As :func:`_planned`, then the measuring forward's pages back (as fit does)."""
+    from sakura_offload.fit.heap import trim_heap
+
+    trim_heap()
 
 
 def _hand_name(plan: Any) -> str:

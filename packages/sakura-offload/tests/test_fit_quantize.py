@@ -72,3 +72,16 @@ def test_bad_quantize_names_option_value_and_accepted(value: Any, accepted: str)
     text = str(info.value)
     assert "quantize" in text and repr(value) in text and accepted in text, text
     assert not hasattr(model, "sakura_fit")
+
+
+def test_trim_heap_off_attaches_no_per_step_trim() -> None:
+    state, _ = fitted(device_budget=HUGE, quantize="nf4", trim_heap=False)
+    assert state.heap_trim is None
+    state, _ = fitted(device_budget=HUGE, quantize="nf4")  # a shrunk base: fit trims
+    assert state.heap_trim is not None and state.heap_trim.trims in (0, 3)
+
+
+def test_bad_trim_heap_is_named() -> None:
+    model = lora_llama()
+    with pytest.raises(ValueError, match=r"trim_heap='yes'.*True or False"):
+        sakura_offload.wrap(model, adamw(model), trim_heap="yes")

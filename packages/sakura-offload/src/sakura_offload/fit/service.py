@@ -107,7 +107,7 @@ class Fit(Service):
             self._adamw.on_optimizer_step(event)
         if self.state is not None and self.state.replanner is not None:
             self.state.replanner.after_step()  # measures the first step; may re-plan once
-        if self.state is not None and trims_heap(self.state.plan):
+        if self.state is not None and self.options["trim_heap"] and trims_heap(self.state.plan):
             trim_heap()  # the step's freed pages back to the OS (fit.heap)
         self.metrics.step(event.epoch, event.step, self._emit_log)
 

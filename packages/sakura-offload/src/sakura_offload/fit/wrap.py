@@ -78,6 +78,7 @@ def fit_options(
     report: Any = True,
     replan: Any = True,
     accumulation_steps: Any = None,
+    trim_heap: Any = True,
     owner: str = "wrap",
 ) -> dict[str, Any]:
     """Every ``fit`` option checked (an OptionError names the option, the value and what
@@ -131,6 +132,7 @@ def fit_options(
         "replan": check_bool("replan", replan, owner=owner),
         "accumulation_steps": check_int("accumulation_steps", accumulation_steps, minimum=1,
                                         allow_none=True, owner=owner),
+        "trim_heap": check_bool("trim_heap", trim_heap, owner=owner),
     }  # fmt: skip
 
 
@@ -416,7 +418,7 @@ def _apply_parts(
         state.bandwidths = weight_bandwidths(model, plan, options)
     if trims_heap(plan):
         trim_heap()  # what applying the plan freed (copies, bandwidth probes)
-        if optimizer is not None:
+        if optimizer is not None and options["trim_heap"]:
             state.heap_trim = parts.heap_trim = HeapTrim(optimizer)
     dev = _device(model)
     if dev.type == "cuda":  # the step's measured peak counts from here
