@@ -31,7 +31,17 @@ def _declare(lib: ctypes.CDLL) -> None:
         "sakura_blocks_glu_backward": [_INT, _INT, _P, _P, _P, _P, _P, _I64],
         "sakura_xent_rows": [_INT, _P, _I64, _I64, _P, _P, _P, _INT],
         "sakura_attn_softmax_forward": [
-            _INT, _P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _INT, ctypes.c_float,
+            _INT,
+            _P,
+            _I64,
+            _I64,
+            _I64,
+            _I64,
+            _P,
+            _I64,
+            _I64,
+            _INT,
+            ctypes.c_float,
         ],
         "sakura_attn_softmax_backward": [_INT, _P, _P, _I64, _I64, ctypes.c_float],
     }
