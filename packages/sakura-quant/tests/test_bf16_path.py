@@ -166,3 +166,36 @@ def test_qlora_step_bf16_end_to_end_matches_the_fp32_path() -> None:
         assert grads16[name].dtype == torch.float32
         rel = float((grads16[name] - g).norm() / g.norm())
         assert rel < 0.05, (name, rel)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_expands_in_place_with_no_weight_sized_temporary(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whole blocks: int8 expands into ``out`` itself (fp32) or through a fixed chunk (bf16),
+    bit for bit as dequantize_weight, and never allocates a weight-sized tensor."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from sakura_quant import codec
+
+    monkeypatch.setattr(codec, "INT8_CHUNK", 1024)  # several chunks for a 64 x 256 weight
+    q = quantize_weight(torch.randn(64, 256), "int8")
+    assert q.numel % q.block_size == 0
+    out = torch.full((64, 256), float("nan"), dtype=dtype)
+
+    known = {t.untyped_storage().data_ptr() for t in (out, *q.tensors.values())}
+
+    class Largest(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            result = func(*args, **(kwargs or {}))
+            for t in result if isinstance(result, (tuple, list)) else [result]:
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in known:
+                    Largest.largest = max(Largest.largest, t.untyped_storage().nbytes() // 4)
+            return result
+
+    with Largest():
+        assert dequantize_into(q, out) is out
+    assert torch.equal(out, dequantize_weight(q, dtype))
+    assert Largest.largest <= 1024  # new storage (fp32 elements): at most one chunk

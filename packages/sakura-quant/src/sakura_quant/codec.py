@@ -82,7 +82,9 @@ def dequantize_into(qweight: QuantizedWeight, out: torch.Tensor) -> torch.Tensor
     """The weight expanded into ``out`` (its shape, any floating dtype), and ``out`` returned.
 
     NF4 with fp32 scales on the CPU into a contiguous fp32 / bf16 ``out`` is expanded in
-    place by the C++ kernel (the same bits as :func:`dequantize_weight`); every other case
+    place by the C++ kernel (the same bits as :func:`dequantize_weight`); int8 with whole
+    blocks in place too (through a fixed 512 KiB fp32 chunk for a non-fp32 ``out``: no
+    weight-sized temporary, whose heap holes would grow the resident set); every other case
     expands as :func:`dequantize_weight` does and copies.
     """
     if tuple(out.shape) != tuple(qweight.shape) or not out.is_floating_point():
@@ -97,7 +99,45 @@ def dequantize_into(qweight: QuantizedWeight, out: torch.Tensor) -> torch.Tensor
         and _nf4_into_cpu(tensors, qweight.numel, qweight.block_size, out)
     ):
         return out
+    if qweight.format == "int8" and _int8_into(tensors, qweight.numel, qweight.block_size, out):
+        return out
     return out.copy_(dequantize_weight(qweight, out.dtype))
+
+
+INT8_CHUNK = 1 << 17
+"""Elements per fp32 temporary when int8 expands into a non-fp32 ``out`` (512 KiB)."""
+
+
+def _int8_into(
+    tensors: dict[str, torch.Tensor], numel: int, block_size: int, out: torch.Tensor
+) -> bool:
+    """int8 expanded into ``out`` with no weight-sized temporary, the same bits as
+    :func:`dequantize_weight` (``codes.float() / 127 * scale`` in fp32, rounded once to
+    ``out``'s dtype): in place for an fp32 ``out``, through a fixed fp32 chunk otherwise.
+    False where it does not apply (a partial last block, non-contiguous ``out``, fp32 scales
+    missing)."""
+    scales = tensors["scales"]
+    if (
+        numel % block_size
+        or not out.is_contiguous()
+        or scales.dtype != torch.float32
+        or "scales_offset" in tensors
+    ):
+        return False
+    codes = tensors["data"].reshape(-1, block_size)
+    blocks = out.view(-1, block_size)
+    per_scale = scales.view(-1, 1)
+    if out.dtype == torch.float32:
+        blocks.copy_(codes).div_(127.0).mul_(per_scale)
+        return True
+    rows = max(1, INT8_CHUNK // block_size)
+    tmp = torch.empty(rows, block_size, dtype=torch.float32, device=out.device)
+    for start in range(0, blocks.shape[0], rows):
+        stop = min(start + rows, blocks.shape[0])
+        part = tmp[: stop - start]
+        part.copy_(codes[start:stop]).div_(127.0).mul_(per_scale[start:stop])
+        blocks[start:stop].copy_(part)
+    return True
 
 
 def _nf4_into_cpu(
