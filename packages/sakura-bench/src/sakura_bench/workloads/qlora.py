@@ -25,6 +25,15 @@ bit) before ``get_peft_model``, which then adapts it with PEFT's own bitsandbyte
 layer: stock PEFT + bitsandbytes, on the same data, steps, seed and LoRA config.
 ``--variant peft-bnb-bf16`` is the same with bitsandbytes' matmuls in bf16
 (``bnb_4bit_compute_dtype``), the like-for-like rival of ``quant:nf4,matmul_dtype=bf16``.
+
+The model is loaded in fp32 unless a variant says bf16 (``MODEL_DTYPES``):
+``--variant bf16-model`` (the sakura side of sakura's fastest QLoRA configuration, with
+``quant:nf4,matmul_dtype=bf16`` and ``mixed_precision:bf16-mixed``) loads every weight in
+bf16 -- the projections before the quant service quantizes them, and the embeddings, norms
+and head that stay unquantized -- and ``--variant peft-bnb-bf16-model`` is the rival at its
+best on a CPU (bitsandbytes with bf16 compute over the model loaded in bf16, as
+``benchmarks/qlora_step.py`` runs it).  PEFT keeps the LoRA adapters in fp32 either way
+(``autocast_adapter_dtype``), so AdamW updates fp32 master weights.
 """
 
 from __future__ import annotations
@@ -67,9 +76,24 @@ VARIANTS: Mapping[str, str] = {
     "fp32 scales, fp32 compute), quantized when the model is built",
     "peft-bnb-bf16": "the same with bf16 compute (bnb_4bit_compute_dtype=bfloat16): the "
     "rival of quant:nf4,matmul_dtype=bf16",
+    "peft-bnb-bf16-model": "the same over the model loaded in bf16 (embeddings, norms, head "
+    "bf16; adapters fp32): the rival at its best on a CPU",
+    "bf16-model": "the model loaded in bf16 (the projections before --service quant:nf4 "
+    "quantizes them, and the embeddings, norms and head; adapters fp32): the sakura side of "
+    "the fastest configuration, with quant:nf4,matmul_dtype=bf16 and mixed_precision:bf16-mixed",
 }
-_BNB_COMPUTE = {"peft-bnb": None, "peft-bnb-bf16": torch.bfloat16}
+_BNB_COMPUTE = {
+    "peft-bnb": None,
+    "peft-bnb-bf16": torch.bfloat16,
+    "peft-bnb-bf16-model": torch.bfloat16,
+}
 """The compute dtype of each bitsandbytes variant (None: the weights' own)."""
+MODEL_DTYPES: Mapping[str, torch.dtype] = {
+    "peft-bnb-bf16-model": torch.bfloat16,
+    "bf16-model": torch.bfloat16,
+}
+"""The dtype each variant loads the model's weights in; every other variant (and none)
+loads fp32."""
 
 
 class QLoRAWorkload(AdapterEvalState, CausalLMObjective):
@@ -121,8 +145,13 @@ class QLoRAWorkload(AdapterEvalState, CausalLMObjective):
 
     # --- model ----------------------------------------------------------------------
 
-    def base_model(self) -> Any:
-        """The transformers causal LM to adapt (full precision)."""
+    @property
+    def model_dtype(self) -> torch.dtype:
+        """The dtype the model's weights are loaded in (``MODEL_DTYPES``; fp32 by default)."""
+        return MODEL_DTYPES.get(self.variant or "", torch.float32)
+
+    def base_model(self, dtype: torch.dtype = torch.float32) -> Any:
+        """The transformers causal LM to adapt, its weights in ``dtype``."""
         raise NotImplementedError
 
     def make_model(self) -> nn.Module:
@@ -130,12 +159,17 @@ class QLoRAWorkload(AdapterEvalState, CausalLMObjective):
 
         peft = require("peft", "hf")
         torch.manual_seed(self.seed)
-        base = self.base_model()
+        base = self.base_model(self.model_dtype)
         base.config.use_cache = False  # packed rows: no KV cache (see sakura_adapters.packing)
         base.requires_grad_(False)
         if self.variant in _BNB_COMPUTE:
             bnb_nf4(base, compute_dtype=_BNB_COMPUTE[self.variant])
         return with_lora(peft, base, int(self.config["lora_r"]), dropout=0.0, seed=self.seed)
+
+    def describe(self) -> dict[str, Any]:
+        described = super().describe()
+        described["model_dtype"] = str(self.model_dtype).removeprefix("torch.")
+        return described
 
 
 def bnb_nf4(
@@ -225,7 +259,7 @@ class TinyLlamaQLoRA(QLoRAWorkload):
     def tokenize(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def base_model(self) -> Any:
+    def base_model(self, dtype: torch.dtype = torch.float32) -> Any:
         from sakura_bench.models.transformer import require
 
         transformers = require("transformers", "hf")
@@ -244,7 +278,8 @@ class TinyLlamaQLoRA(QLoRAWorkload):
             eos_token_id=None,
         )
         config._attn_implementation = "sdpa"
-        return transformers.LlamaForCausalLM(config)
+        # Initialised in fp32 (the same draws for every dtype), then rounded once.
+        return transformers.LlamaForCausalLM(config).to(dtype)
 
 
 # --- SmolLM2-135M ---------------------------------------------------------------------
@@ -369,12 +404,12 @@ class SmolLM2QLoRA(QLoRAWorkload):
             self._tokenizer = transformers.AutoTokenizer.from_pretrained(self.folder)
         return list(self._tokenizer(text, add_special_tokens=False).input_ids)
 
-    def base_model(self) -> Any:
+    def base_model(self, dtype: torch.dtype = torch.float32) -> Any:
         from sakura_bench.models.transformer import require
 
         transformers = require("transformers", "hf")
         return transformers.AutoModelForCausalLM.from_pretrained(
-            self.folder, dtype=torch.float32, attn_implementation="sdpa"
+            self.folder, dtype=dtype, attn_implementation="sdpa"
         )
 
     def describe(self) -> dict[str, Any]:
