@@ -148,7 +148,12 @@ def test_list_json(capsys: pytest.CaptureFixture[str]) -> None:
         "smollm2-qlora",
         "tiny-llama-qlora",
     ]
-    assert workloads["smollm2-qlora"]["variants"].keys() == {"peft-bnb", "peft-bnb-bf16"}
+    assert workloads["smollm2-qlora"]["variants"].keys() == {
+        "peft-bnb",
+        "peft-bnb-bf16",
+        "peft-bnb-bf16-model",
+        "bf16-model",
+    }
     assert workloads["smollm2-qlora"]["frameworks"] == ["hf-trainer", "lightning", "pytorch-ddp"]
     assert workloads["distilbert-sst2-hf"]["frameworks"] == [
         "hf-trainer",
