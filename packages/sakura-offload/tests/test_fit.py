@@ -98,6 +98,13 @@ def ladder(model: Any, **budgets: Any) -> list[Any]:
     return plans
 
 
+def rung(plans: list[Any], optimizer: str, weights: str) -> Any:
+    """The unquantized plan of ``plans`` with the optimizer and the frozen weights there."""
+    return next(
+        p for p in plans if (p.optimizer, p.weights, p.option) == (optimizer, weights, None)
+    )
+
+
 def by_hand(plan: Any, tmp: Path | None = None) -> dict[str, torch.Tensor]:
     """The plan's choices applied with the existing classes, then the same training."""
     import sakura_quant
@@ -175,7 +182,7 @@ def test_host_optimizer_moments_as_host_ram_requires(dtype: str) -> None:
 
 def test_weights_streamed_from_host() -> None:
     plans = ladder(lora_llama())
-    state, result = fitted(device_budget=plans[2].device_bytes)
+    state, result = fitted(device_budget=rung(plans, "host", "host").device_bytes)
     plan = state.plan
     assert (plan.optimizer, plan.weights, plan.option) == ("host", "host", None)
     assert plan.block_tiers == ("host",) * LAYERS
@@ -188,9 +195,22 @@ def test_weights_streamed_from_host() -> None:
     assert_same(result, by_hand(plan))
 
 
+def test_weights_streamed_with_the_optimizer_left_on_the_device() -> None:
+    """Once the frozen weights stream, the device has room again: the loop's own AdamW
+    stays there (no host step, no copies) when it fits, before a host optimizer."""
+    plans = ladder(lora_llama())
+    state, result = fitted(device_budget=rung(plans, "device", "host").device_bytes)
+    plan = state.plan
+    assert (plan.optimizer, plan.weights, plan.option) == ("device", "host", None)
+    assert type(state.optimizer) is torch.optim.AdamW
+    assert state.paging.stats.paged_bytes == sum(plan.sizes.block_frozen)
+    assert sakura_offload.memory_report(state.paging.model)["host"]["optimizer"] == 0
+    assert_same(result, by_hand(plan))
+
+
 def test_weights_streamed_from_disk(tmp_path: Path) -> None:
     plans = ladder(lora_llama(), disk=HUGE)
-    disk_plan = next(p for p in plans if p.weights == "disk" and p.option is None)
+    disk_plan = rung(plans, "host", "disk")
     host = (
         disk_plan.host_bytes - sum(disk_plan.sizes.block_frozen) + disk_plan.sizes.block_frozen[0]
     )

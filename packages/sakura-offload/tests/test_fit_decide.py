@@ -31,15 +31,24 @@ def test_the_ladder_costs_what_it_says() -> None:
     assert got == [
         ("device", "resident", 8 + 8 + 90),
         ("host", "resident", 8 + 90),
+        ("device", "host", 8 + 8 + 10 + 40),
         ("host", "host", 8 + 10 + 40),
+        ("device", "disk", 8 + 8 + 10 + 40),
         ("host", "disk", 8 + 10 + 40),
     ]
-    assert plans[2].host_bytes == 8 * MB + 80 * MB  # fp32 moments + every block
+    assert plans[2].host_bytes == 80 * MB  # every block, no optimizer state
+    assert plans[3].host_bytes == 8 * MB + 80 * MB  # fp32 moments + every block
 
 
 @pytest.mark.parametrize(
     ("device", "expected"),
-    [(106, ("device", "resident")), (105, ("host", "resident")), (97, ("host", "host"))],
+    [
+        (106, ("device", "resident")),
+        (105, ("host", "resident")),
+        (97, ("device", "host")),
+        (66, ("device", "host")),
+        (65, ("host", "host")),
+    ],
 )
 def test_cheapest_rung_that_fits(device: int, expected: tuple[str, str]) -> None:
     plan = decide(SIZES, Budgets(device=device * MB, host=10**12))
@@ -68,11 +77,21 @@ def test_fit_options_only_when_nothing_fits_and_cheapest_first() -> None:
     options = [QUARTER, HALF]  # given in any order: ranked by cost
     assert decide(SIZES, Budgets(device=58 * MB, host=10**12), options).option is None
     plan = decide(SIZES, Budgets(device=57 * MB, host=10**12), options)
-    # halved blocks of 10 MB: resident needs 8 + 50 = 58, streamed 8 + 10 + 2 * 10 = 38
-    assert (plan.option, plan.weights, plan.device_bytes) == (HALF, "host", 38 * MB)
+    # halved blocks of 10 MB: resident needs 8 + 8 + 50 = 66 (58 with the optimizer on the
+    # host), streamed 8 + 10 + 2 * 10 = 38, plus 8 when the optimizer stays on the device
+    got = (plan.option, plan.optimizer, plan.weights, plan.device_bytes)
+    assert got == (HALF, "device", "host", 46 * MB)
+    plan = decide(SIZES, Budgets(device=45 * MB, host=10**12), options)
+    got = (plan.option, plan.optimizer, plan.weights, plan.device_bytes)
+    assert got == (HALF, "host", "host", 38 * MB)
+    # quartered blocks of 5 MB: streamed 8 + 10 + 2 * 5 = 28, 36 with the optimizer
     plan = decide(SIZES, Budgets(device=37 * MB, host=10**12), options)
-    assert (plan.option, plan.weights, plan.device_bytes) == (QUARTER, "host", 28 * MB)
-    assert plan.activation_budget == 9 * MB
+    got = (plan.option, plan.optimizer, plan.weights, plan.device_bytes)
+    assert got == (QUARTER, "device", "host", 36 * MB)
+    plan = decide(SIZES, Budgets(device=35 * MB, host=10**12), options)
+    got = (plan.option, plan.optimizer, plan.weights, plan.device_bytes)
+    assert got == (QUARTER, "host", "host", 28 * MB)
+    assert plan.activation_budget == 7 * MB
     assert any(r.startswith("not ") for r in plan.reasons)
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_fit import HUGE, ladder, lora_llama
+from test_fit import HUGE, ladder, lora_llama, rung
 
 import sakura_offload
 from sakura import SakuraRuntime
@@ -26,7 +26,9 @@ STEPS = 4
 
 
 def _spec() -> str:
-    device = ladder(lora_llama())[2].device_bytes  # streamed from host, host optimizer
+    device = rung(
+        ladder(lora_llama()), "host", "host"
+    ).device_bytes  # streamed from host, host optimizer
     return (
         f"fit:device_budget={device},host_budget={HUGE},activations=keep,report=false,log_every=2"
     )
@@ -176,7 +178,7 @@ def test_nothing_is_read_when_nobody_listens() -> None:
 def test_wrap_metrics_match_memory_report() -> None:
     model = lora_llama()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    device = ladder(lora_llama())[2].device_bytes
+    device = rung(ladder(lora_llama()), "host", "host").device_bytes
     model, optimizer = sakura_offload.wrap(
         model, optimizer, device_budget=device, host_budget=HUGE, activations="keep", report=False
     )

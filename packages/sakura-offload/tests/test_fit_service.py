@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_fit import HUGE, adamw, assert_same, by_hand, ladder, lora_llama, train, trained
+from test_fit import HUGE, adamw, assert_same, by_hand, ladder, lora_llama, rung, train, trained
 
 import sakura_offload
 from sakura import SakuraRuntime
@@ -65,7 +65,9 @@ def _runtime_training(spec: str) -> tuple[dict[str, torch.Tensor], Any]:
 
 def test_service_in_a_raw_loop_matches_the_choices_by_hand() -> None:
     plans = ladder(lora_llama())
-    device = plans[2].device_bytes  # weights streamed from host, optimizer on the host
+    device = rung(
+        plans, "host", "host"
+    ).device_bytes  # weights streamed from host, optimizer on the host
     result, plan = _runtime_training(
         f"fit:device_budget={device},host_budget={HUGE},activations=keep,report=false"
     )
@@ -98,7 +100,10 @@ def test_unwrap_puts_every_weight_back() -> None:
     model = lora_llama()
     reference = {n: t.clone() for n, t in model.state_dict().items()}
     model, _ = sakura_offload.wrap(
-        model, adamw(model), device_budget=plans[2].device_bytes, activations="keep"
+        model,
+        adamw(model),
+        device_budget=rung(plans, "host", "host").device_bytes,
+        activations="keep",
     )
     assert model.sakura_fit.paging.stats.paged_bytes > 0
     sakura_offload.unwrap(model)
@@ -143,7 +148,9 @@ def test_service_under_lightning_matches_the_choices_by_hand(tmp_path: Any) -> N
         trainer.fit(module, DataLoader(rows, batch_size=2, shuffle=False))
         return trained(module.model)
 
-    device = ladder(lora_llama())[2].device_bytes  # streamed from host, host optimizer
+    device = rung(
+        ladder(lora_llama()), "host", "host"
+    ).device_bytes  # streamed from host, host optimizer
     by_hand = Module(
         lambda m: sakura_offload.OffloadAdamW.from_optimizer(adamw(m), moment_dtype="float32")
     )
@@ -201,7 +208,9 @@ def test_service_under_the_hf_trainer_matches_the_choices_by_hand(tmp_path: Any)
         disable_tqdm=True,
         seed=0,
     )
-    device = ladder(lora_llama())[2].device_bytes  # streamed from host, host optimizer
+    device = rung(
+        ladder(lora_llama()), "host", "host"
+    ).device_bytes  # streamed from host, host optimizer
     by_hand = lora_llama()
     paging = sakura_offload.WeightPaging(by_hand)
     optimizer = sakura_offload.OffloadAdamW.from_optimizer(

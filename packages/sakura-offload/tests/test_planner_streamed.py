@@ -120,7 +120,7 @@ def test_fit_streaming_from_the_start_plans_the_activations_in_what_is_left() ->
     sizes = measure(lora_llama(), adamw(lora_llama()))
     ladder = [(o, w) for o in ("device", "host") for w in ("resident", "host")]
     plans = candidates(sizes, Budgets(device=None, host=2**40), None, ladder)
-    streamed = next(p for p in plans if (p.optimizer, p.weights) == ("host", "host"))
+    streamed = next(p for p in plans if (p.optimizer, p.weights) == ("device", "host"))
     room = LEAST + 1000
     model = lora_llama()
     model, optimizer = sakura_offload.wrap(
@@ -128,7 +128,7 @@ def test_fit_streaming_from_the_start_plans_the_activations_in_what_is_left() ->
         activation_reserve=0, cost_trials=0, choices=None, replan=False,
     )  # fmt: skip
     state = model.sakura_fit
-    assert (state.plan.optimizer, state.plan.weights) == ("host", "host")
+    assert (state.plan.optimizer, state.plan.weights) == ("device", "host")
     assert state.plan.activation_budget == room
     train(model, optimizer)
     applied = state.planner.applied

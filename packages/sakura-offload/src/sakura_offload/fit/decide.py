@@ -7,9 +7,10 @@ A plan is tried in this order of cost, and the first that fits both budgets is t
 2. the optimizer on the host (:class:`~sakura_offload.OffloadAdamW`), its moments float32
    → bfloat16 → int8 as the host budget requires
    (:func:`~sakura_offload.host_optimizer.placement.choose_moment_dtype`);
-3. besides, the blocks' frozen weights streamed from host RAM
-   (:class:`~sakura_offload.WeightPaging`);
-4. streamed from disk for the blocks host RAM cannot hold (only with ``disk_offload``);
+3. the blocks' frozen weights streamed from host RAM (:class:`~sakura_offload.WeightPaging`),
+   the optimizer on the device if it still fits there, else on the host;
+4. streamed from disk for the blocks host RAM cannot hold (only with ``disk_offload``), the
+   optimizer again on the device first;
 5. steps 1-4 again with the frozen weights shrunk by a fit choice (a plugin's, see
    :mod:`.choices`: sakura-quant's int8, then nf4), the cheapest option first: only when
    nothing fits otherwise.
@@ -38,8 +39,19 @@ __all__ = ["Budgets", "FitError", "FitPlan", "ModelSizes", "candidates", "decide
 
 OPTIMIZER_PLACES = ("device", "host")
 WEIGHT_PLACES = ("resident", "host", "disk")
-LADDER = (("device", "resident"), ("host", "resident"), ("host", "host"), ("host", "disk"))
-"""(optimizer, frozen weights) in the order they are tried, cheapest first."""
+LADDER = (
+    ("device", "resident"),
+    ("host", "resident"),
+    ("device", "host"),
+    ("host", "host"),
+    ("device", "disk"),
+    ("host", "disk"),
+)
+"""(optimizer, frozen weights) in the order they are tried, cheapest first.  Streaming the
+frozen weights moves all of them twice a step, far more than a host optimizer moves (the
+trainable parameters' gradients and values), so the optimizer goes to the host before any
+weight streams; once weights stream, keeping the optimizer on the device (no copies, no host
+step) is tried first, since streaming frees the device memory it may need."""
 
 
 class FitError(MemoryBudgetError):
@@ -65,7 +77,7 @@ class ModelSizes:
     ``trainable_bytes`` / ``trainable_numel``: parameters that train (their gradients take
     as much); ``master_bytes``: fp32 master copies OffloadAdamW keeps for the trainable
     parameters that are not fp32; ``optimizer_bytes``: the loop's optimizer state on the
-    device (AdamW: ``2 * trainable_bytes``); ``host_optimizer``: whether the optimizer can
+    device (AdamW: ``2 * trainable_bytes`` and a ``step`` tensor each); ``host_optimizer``: whether the optimizer can
     become an OffloadAdamW (an Adam or AdamW); ``outside_frozen_bytes``: frozen tensors
     outside the blocks; ``block_names`` / ``block_frozen``: each block and the bytes of
     frozen tensors streaming would take off the device."""

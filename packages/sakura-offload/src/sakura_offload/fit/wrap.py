@@ -161,10 +161,20 @@ def _find_blocks(model: nn.Module, blocks: Any, owner: str) -> list[tuple[str, n
         return []  # no repeated stack: nothing to stream
 
 
+ADAM_STEP_BYTES = 4
+"""torch's Adam/AdamW keep a float32 ``step`` tensor per parameter besides its two moments
+(on the parameter's device when fused or capturable; counted as device state either way)."""
+
+
+def adam_state_bytes(params: list[torch.Tensor]) -> int:
+    """What torch's Adam/AdamW allocate for ``params`` at their first step."""
+    return sum(2 * p.numel() * p.element_size() + ADAM_STEP_BYTES for p in params)
+
+
 def measure(model: nn.Module, optimizer: Any = None, *, blocks: Any = None) -> ModelSizes:
     """``model``'s sizes for :func:`~sakura_offload.fit.decide.decide`.  The optimizer's
-    device state is two tensors the size of each of its parameters for an Adam/AdamW (as
-    torch allocates them at the first step), else what it holds now."""
+    device state is what an Adam/AdamW allocates at its first step (two moments the size
+    of each parameter and a ``step`` tensor), else what it holds now."""
     trainable = [p for p in model.parameters() if p.requires_grad]  # (shared ones once)
     trainable_bytes = sum(p.numel() * p.element_size() for p in trainable)
     frozen_total = sum(f.nbytes for f in frozen_tensors(model, set()))
@@ -173,9 +183,7 @@ def measure(model: nn.Module, optimizer: Any = None, *, blocks: Any = None) -> M
     if optimizer is None:
         optimizer_bytes = 0
     elif isinstance(optimizer, torch.optim.Adam):
-        optimizer_bytes = 2 * sum(
-            p.numel() * p.element_size() for g in optimizer.param_groups for p in g["params"]
-        )
+        optimizer_bytes = adam_state_bytes([p for g in optimizer.param_groups for p in g["params"]])
     else:
         optimizer_bytes = sum(
             v.numel() * v.element_size()
@@ -229,8 +237,9 @@ def plan_fit(
     AdamW over the trainable parameters (the ``fit`` service decides before it sees it)."""
     sizes = measure(model, optimizer, blocks=options["blocks"])
     if assume_adamw and optimizer is None:
+        trainable = [p for p in model.parameters() if p.requires_grad]
         sizes = dataclasses.replace(
-            sizes, optimizer_bytes=2 * sizes.trainable_bytes, host_optimizer=True
+            sizes, optimizer_bytes=adam_state_bytes(trainable), host_optimizer=True
         )
     host = options["host_budget"]
     if host is None:
