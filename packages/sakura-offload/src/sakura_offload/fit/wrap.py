@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -166,7 +167,7 @@ ADAM_STEP_BYTES = 4
 (on the parameter's device when fused or capturable; counted as device state either way)."""
 
 
-def adam_state_bytes(params: list[torch.Tensor]) -> int:
+def adam_state_bytes(params: Iterable[torch.Tensor]) -> int:
     """What torch's Adam/AdamW allocate for ``params`` at their first step."""
     return sum(2 * p.numel() * p.element_size() + ADAM_STEP_BYTES for p in params)
 
