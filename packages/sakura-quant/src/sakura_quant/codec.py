@@ -105,7 +105,8 @@ def dequantize_into(qweight: QuantizedWeight, out: torch.Tensor) -> torch.Tensor
 
 
 INT8_CHUNK = 1 << 17
-"""Elements per fp32 temporary when int8 expands into a non-fp32 ``out`` (512 KiB)."""
+"""Elements per fp32 temporary when int8 expands into a non-fp32 ``out`` (512 KiB; a smaller
+weight's temporary is the weight's size)."""
 
 
 def _int8_into(
@@ -130,7 +131,7 @@ def _int8_into(
     if out.dtype == torch.float32:
         blocks.copy_(codes).div_(127.0).mul_(per_scale)
         return True
-    rows = max(1, INT8_CHUNK // block_size)
+    rows = min(blocks.shape[0], max(1, INT8_CHUNK // block_size))  # never over the weight
     tmp = torch.empty(rows, block_size, dtype=torch.float32, device=out.device)
     for start in range(0, blocks.shape[0], rows):
         stop = min(start + rows, blocks.shape[0])
