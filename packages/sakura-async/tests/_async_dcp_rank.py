@@ -22,8 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from _dcp_rank import flatten, full_state  # the same state views as ShardedCheckpoint's test
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -105,23 +105,6 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) ->
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
     optimizer.zero_grad()
-
-
-def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_sd, optim_sd = get_state_dict(model, [optimizer], options=options)
-    return {"model": model_sd, "optim": optim_sd}
-
-
-def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict):
-        out: dict[str, Any] = {}
-        for key, value in tree.items():
-            out.update(flatten(value, f"{prefix}{key}/"))
-        return out
-    if isinstance(tree, (list, tuple)):
-        return flatten(dict(enumerate(tree)), prefix)
-    return {prefix: tree}
 
 
 def save(ckpt_dir: str, out: str) -> None:
