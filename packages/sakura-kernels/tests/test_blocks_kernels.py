@@ -204,3 +204,13 @@ def test_fp16_runs_the_torch_path_and_is_close_to_fp64() -> None:
     out = fused_rms_norm(x.half(), w.half(), 1e-6)
     exact = fused_rms_norm(x.half().double(), w.half().double(), 1e-6)
     assert out.dtype == torch.float16 and rel(out, exact) <= 1e-3
+
+
+def test_shapes_the_kernels_cannot_read_are_refused_before_native_code() -> None:
+    """The C++ kernels read ``hidden`` weights per row and ``gate.numel()`` elements of
+    ``up``: a smaller weight or ``up`` raises (before: read past their end)."""
+    x = torch.randn(3, 16)
+    with pytest.raises(ValueError, match=r"weight of shape \(8,\).*expected \(16,\)"):
+        fused_rms_norm(x, torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match=r"gate \(3, 16\) and up \(3, 1\) differ"):
+        fused_glu(x, torch.randn(3, 1), "silu")

@@ -183,6 +183,18 @@ def test_every_label_ignored_gives_nan_like_cross_entropy_and_zero_gradients() -
     assert h.grad is not None and torch.all(h.grad == 0)
 
 
+@pytest.mark.parametrize("bad", [-5, VOCAB])
+def test_a_label_out_of_the_vocabulary_raises_like_cross_entropy(bad: int) -> None:
+    """Before: the C++ pass took a negative label for an ignored one (a silently wrong
+    mean) where F.cross_entropy raises."""
+    hidden, weight, _, labels = inputs()
+    labels[1, 7] = bad
+    with pytest.raises(IndexError, match=f"label {bad} is out of range for a vocabulary of 61"):
+        chunked_causal_lm_loss(hidden, weight, labels, chunk_size=8)
+    with pytest.raises(IndexError):
+        full_loss(hidden, weight, None, labels)
+
+
 def test_frozen_head_gets_no_gradient_and_only_hidden_is_computed() -> None:
     hidden, weight, _, labels = inputs()
     h = hidden.clone().requires_grad_(True)

@@ -18,6 +18,12 @@ Use it with :func:`register_attention` and ``attn_implementation="sakura"``
 builder (None when the batch needs only the causal mask, else a boolean or float mask).
 Anything this function does not handle (a GPU, fp16, dropout, logit
 soft-capping, attention sinks, a sliding window shorter than the keys, no C++ kernels) goes to transformers' SDPA attention instead.
+
+Under CPU autocast the two matmuls run in the autocast dtype, as they would in eager
+attention: fp32 query, key and value are cast once and autocast is off inside.  The C++
+kernel works in place on a buffer whose element type and extent it cannot see, so every
+call first checks that the buffer's dtype, contiguity and shape are the ones the call
+describes (:func:`_check_scores`); a mismatch raises instead of reaching native code.
 """
 
 from __future__ import annotations
@@ -38,6 +44,39 @@ _CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 def _library() -> Any:
     return CPU_LIBRARY.load(required=True)
+
+
+def _check_scores(
+    scores: torch.Tensor, rows: int, k_len: int, mask: torch.Tensor | None, q_len: int
+) -> int:
+    """The kernel's dtype code for ``scores`` after checking that it is a contiguous CPU
+    ``(..., rows, k_len)`` fp32 or bf16 buffer, and that ``mask`` (when given) is a
+    contiguous fp32 ``(1 or batches, q_len, k_len)`` one whose batches match ``scores``'."""
+    if (
+        scores.device.type != "cpu"
+        or scores.dtype not in _CODES
+        or not scores.is_contiguous()
+        or scores.dim() != 4
+        or tuple(scores.shape[2:]) != (rows, k_len)
+    ):
+        raise RuntimeError(
+            "sakura-kernels: attention scores of dtype "
+            f"{scores.dtype}, shape {tuple(scores.shape)} do not suit the C++ kernel "
+            f"(expected a contiguous CPU fp32/bf16 (b, kv_heads, {rows}, {k_len}) tensor)"
+        )
+    if mask is not None and (
+        mask.dtype != torch.float32
+        or not mask.is_contiguous()
+        or mask.dim() != 3
+        or tuple(mask.shape[1:]) != (q_len, k_len)
+        or mask.shape[0] not in (1, scores.shape[0])
+    ):
+        raise RuntimeError(
+            f"sakura-kernels: attention mask of dtype {mask.dtype}, shape {tuple(mask.shape)} "
+            f"does not suit the C++ kernel (expected contiguous fp32 (1 or {scores.shape[0]}, "
+            f"{q_len}, {k_len}))"
+        )
+    return _CODES[scores.dtype]
 
 
 def _status(code: int, what: str) -> None:
@@ -64,7 +103,13 @@ class FusedAttention(torch.autograd.Function):
     ) -> torch.Tensor:
         b, kvh, inner, _ = q.shape
         k_len = k.shape[2]
-        scores = torch.matmul(q, k.transpose(2, 3))  # (b, kvh, inner, k_len), contiguous
+        scores = torch.matmul(q, k.transpose(2, 3)).contiguous()  # (b, kvh, inner, k_len)
+        code = _check_scores(scores, inner, k_len, mask, q_len)
+        if scores.shape[:2] != (b, kvh) or inner % q_len:
+            raise RuntimeError(
+                f"sakura-kernels: attention scores {tuple(scores.shape)} for queries "
+                f"{tuple(q.shape)} and {q_len} positions"
+            )
         lib = _library()
         mask_ptr, per_batch, stride = 0, 1, 0
         if mask is not None:
@@ -73,7 +118,7 @@ class FusedAttention(torch.autograd.Function):
             per_batch = kvh
         _status(
             lib.sakura_attn_softmax_forward(
-                _CODES[q.dtype], scores.data_ptr(), b * kvh, inner, q_len, k_len,
+                code, scores.data_ptr(), b * kvh, inner, q_len, k_len,
                 mask_ptr, per_batch, stride, int(causal), scale,
             ),
             "softmax",
@@ -88,10 +133,16 @@ class FusedAttention(torch.autograd.Function):
         grad = grad.to(q.dtype).contiguous()
         grad_v = torch.matmul(probs.transpose(2, 3), grad)
         grad_s = torch.matmul(grad, v.transpose(2, 3)).contiguous()
+        code = _check_scores(grad_s, probs.shape[2], probs.shape[3], None, 1)
+        if grad_s.dtype != probs.dtype or grad_s.shape != probs.shape or not probs.is_contiguous():
+            raise RuntimeError(
+                f"sakura-kernels: attention backward got {grad_s.dtype} {tuple(grad_s.shape)} "
+                f"gradients for {probs.dtype} {tuple(probs.shape)} probabilities"
+            )
         lib = _library()
         _status(
             lib.sakura_attn_softmax_backward(
-                _CODES[q.dtype], probs.data_ptr(), grad_s.data_ptr(),
+                code, probs.data_ptr(), grad_s.data_ptr(),
                 grad_s.numel() // grad_s.shape[-1], grad_s.shape[-1], ctx.scale,
             ),
             "softmax backward",
@@ -128,14 +179,21 @@ def sakura_attention_forward(
     ``key`` / ``value`` ``(b, kv_heads, k_len, d)``; returns ``((b, q_len, heads, d), None)``."""
     b, heads, q_len, d = query.shape
     kvh, k_len = key.shape[1], key.shape[2]
+    dtype = query.dtype
+    if query.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        dtype = torch.get_autocast_dtype("cpu")  # eager attention's matmuls would run in it
     window = kwargs.get("sliding_window")
     unusual = any(kwargs.get(name) is not None for name in ("softcap", "s_aux")) or (
         window is not None and window < k_len  # a window that reaches past every key is none
     )
     suitable = (
         query.device.type == "cpu"
-        and query.dtype in _CODES
+        and dtype in _CODES
         and key.dtype == query.dtype == value.dtype
+        and key.dim() == value.dim() == 4
+        and key.shape[0] == value.shape[0] == b
+        and value.shape[1:3] == key.shape[1:3]
+        and key.shape[-1] == d
         and dropout == 0.0
         and not unusual
         and heads % kvh == 0
@@ -146,7 +204,7 @@ def sakura_attention_forward(
     causal = False
     if suitable and attention_mask is not None:
         mask = _additive_mask(attention_mask, q_len, k_len)
-        suitable = mask is not None
+        suitable = mask is not None and mask.shape[0] in (1, b)
     elif suitable:
         causal = bool(getattr(module, "is_causal", True)) and q_len > 1
         suitable = q_len <= k_len
@@ -160,10 +218,11 @@ def sakura_attention_forward(
     scale = float(scaling) if scaling is not None else d**-0.5
     group = heads // kvh
     # the query heads of one key/value head are consecutive: stack them as rows (a view)
-    q = query.contiguous().view(b, kvh, group * q_len, d)
-    out: torch.Tensor = FusedAttention.apply(  # type: ignore[no-untyped-call]
-        q, key.contiguous(), value.contiguous(), mask, causal, q_len, scale
-    )
+    q = query.to(dtype).contiguous().view(b, kvh, group * q_len, d)
+    with torch.autocast("cpu", enabled=False):  # the dtype is chosen above
+        out: torch.Tensor = FusedAttention.apply(  # type: ignore[no-untyped-call]
+            q, key.to(dtype).contiguous(), value.to(dtype).contiguous(), mask, causal, q_len, scale
+        )
     return out.view(b, heads, q_len, d).transpose(1, 2).contiguous(), None
 
 

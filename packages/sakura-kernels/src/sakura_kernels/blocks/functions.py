@@ -96,6 +96,11 @@ class FusedRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         shape = x.shape
+        if weight.dim() != 1 or weight.shape[0] != shape[-1]:  # the kernels read hidden weights
+            raise ValueError(
+                f"fused RMSNorm: weight of shape {tuple(weight.shape)} for inputs whose last "
+                f"dimension is {shape[-1]} (expected ({shape[-1]},))"
+            )
         x2 = x.reshape(-1, shape[-1]).contiguous()
         w = weight.to(x.dtype).contiguous() if weight.dtype != x.dtype else weight.contiguous()
         lib = _native(x2, w)
@@ -236,6 +241,10 @@ class FusedGLU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor, kind: int) -> torch.Tensor:
+        if gate.shape != up.shape:  # the kernels read gate.numel() elements of each
+            raise ValueError(
+                f"fused GLU: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape"
+            )
         gate, up = gate.contiguous(), up.to(gate.dtype).contiguous()
         lib = _native(gate, up)
         cuda, stream = _cuda(gate, up)

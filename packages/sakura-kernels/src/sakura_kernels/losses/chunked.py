@@ -160,6 +160,14 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         compute = matmul_dtype(hidden, weight)
         weight_c, bias_c = _cast(weight, compute), _cast(bias, compute)
         valid = targets != ignore_index
+        out_of_range = valid & ((targets < 0) | (targets >= weight.shape[0]))
+        if bool(out_of_range.any()):  # as F.cross_entropy: never a silently ignored label
+            bad = int(targets[out_of_range][0])
+            raise IndexError(
+                f"chunked cross-entropy: label {bad} is out of range for a vocabulary of "
+                f"{weight.shape[0]} (labels are 0..{weight.shape[0] - 1} or ignore_index="
+                f"{ignore_index})"
+            )
         safe = torch.where(valid, targets, torch.zeros_like(targets)).unsqueeze(1)
         losses = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
