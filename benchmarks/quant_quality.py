@@ -34,7 +34,9 @@ stream, norms and embeddings fp32; every matmul bf16 under autocast); ``nf4-fast
 ``nf4-bf16e2e`` as ``qlora_step.py``'s fastest variant and the fine-tuning demo run it:
 sakura-kernels' fused attention (``register_attention``), fused blocks (``patch_model``) and fused LoRA
 (``fuse_lora``), the fine-tune's loss from the hidden states (``causal_lm_loss``, the
-chunked loss); ``nf4-fast32``: the same pieces with the model left in fp32 (residual stream,
+chunked loss), evaluated as the ``kernels`` service evaluates (``fuse_lora(fp32_outputs="eval")``:
+the fused LoRA layers return fp32 in eval mode; also reported with the training step's 16-bit
+outputs); ``nf4-fast32``: the same pieces with the model left in fp32 (residual stream,
 norms, embeddings; the products bf16 under autocast); and ``bnb-nf4``: the same weights quantized by
 bitsandbytes' ``quantize_4bit`` and expanded by its ``dequantize_4bit``, which must give
 ``nf4``'s perplexity to the last digit (checked, before and after the fine-tune).
@@ -360,7 +362,7 @@ def with_lora(model: Any, args: argparse.Namespace, seed: int) -> Any:
     if getattr(model, "_quality_format", "").endswith(("-fast", "-fast32")):
         from sakura_kernels import fuse_lora
 
-        fuse_lora(lora)
+        fuse_lora(lora, fp32_outputs="eval")  # as the kernels service does by default
     return lora
 
 
@@ -430,6 +432,13 @@ def run_model(which: str, args: argparse.Namespace) -> dict[str, Any]:
                 with compute_path(lora, fmt):
                     finetune(lora, train_tokens, args, seed, fmt)
                     row["after"].append(perplexity(lora, eval_tokens, args.windows, args.seq, fmt))
+                    if fmt.endswith(("-fast", "-fast32")):
+                        from sakura_kernels import fuse_lora
+
+                        fuse_lora(lora, fp32_outputs=False)  # the training step's outputs
+                        row.setdefault("after_16bit_outputs", []).append(
+                            perplexity(lora, eval_tokens, args.windows, args.seq, fmt)
+                        )
                 if fmt.endswith(AUTOCAST_FORMATS):
                     row.setdefault("after_fp32_eval", []).append(
                         fp32_eval(lora, base, eval_tokens, args, seed)
@@ -490,6 +499,11 @@ def table(result: dict[str, Any], args: argparse.Namespace) -> list[str]:
                 f"paired with nf4 (same seeds), after: "
                 f"{paired(row['after'], rows['nf4']['after'])} ({fmt})"
             )
+            if row.get("after_16bit_outputs"):
+                lines.append(
+                    f"  evaluated with 16-bit LoRA layer outputs (fp32_outputs=False): "
+                    f"{paired(row['after_16bit_outputs'], rows['nf4']['after'])} ({fmt})"
+                )
             if row.get("after_fp32_eval"):
                 lines.append(
                     f"  its adapters evaluated in the fp32 path: "

@@ -48,6 +48,9 @@ def test_options_are_validated() -> None:
         Kernels(attention="on")
     with pytest.raises(ValueError, match=r"keep_expanded"):
         Kernels(keep_expanded="sometimes")
+    with pytest.raises(ValueError, match=r"fp32_outputs='always'.*False, True, 'eval'"):
+        Kernels(fp32_outputs="always")
+    assert Kernels().fp32_outputs == "eval" and Kernels(fp32_outputs=True).fp32_outputs is True
     with SakuraRuntime() as rt, pytest.raises(Exception, match="kernels='yes'"):
         rt.install("kernels:yes")
     with pytest.raises(ValueError, match="model"):

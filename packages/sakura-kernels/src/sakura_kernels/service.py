@@ -15,6 +15,11 @@ Spec: ``kernels``, ``kernels:true``, ``kernels:false``, ``kernels:auto,fused_lor
 * ``keep_expanded``: False (default) or True: fused LoRA keeps a quantized base's forward
   expansion for backward instead of expanding again (``fuse_lora(keep_expanded=True)``:
   faster, one full-precision weight per layer held from forward to backward).
+* ``fp32_outputs``: ``"eval"`` (default), True or False: fused LoRA layers return fp32
+  where they would return bf16/fp16 -- always (True), never (False), or while the model is
+  in eval mode (``"eval"``: the trainer's evaluation loop; the training step keeps its
+  16-bit outputs).  ``fuse_lora(fp32_outputs=...)`` says why: a bf16 evaluation loses
+  the fine-tune's small adapter contribution in the output's rounding.
 * ``attention``: ``"auto"`` (default: on when the base is quantized and the model is on the
   CPU), True or False: the Hugging Face model inside (a PEFT wrapper is looked through) runs
   sakura-kernels' fused CPU attention
@@ -36,6 +41,7 @@ from torch import nn
 
 from sakura.options import check_bool, check_choice, option_error
 from sakura.service import Service
+from sakura_kernels.lora.fuse import FP32_OUTPUTS
 
 __all__ = ["Kernels", "is_quantized"]
 
@@ -72,11 +78,15 @@ class Kernels(Service):
         fused_lora: Any = "auto",
         attention: Any = "auto",
         keep_expanded: Any = False,
+        fp32_outputs: Any = "eval",
     ) -> None:
         self.enabled: Any = check_choice("kernels", enabled, _CHOICES, owner=_OWNER)
         self.fused_lora: Any = check_choice("fused_lora", fused_lora, _CHOICES, owner=_OWNER)
         self.attention: Any = check_choice("attention", attention, _CHOICES, owner=_OWNER)
         self.keep_expanded = check_bool("keep_expanded", keep_expanded, owner=_OWNER)
+        self.fp32_outputs: Any = check_choice(
+            "fp32_outputs", fp32_outputs, FP32_OUTPUTS, owner=_OWNER
+        )
         self._attention: list[tuple[weakref.ref[nn.Module], str]] = []
         self.reports: list[Any] = []
         self.lora_reports: list[Any] = []
@@ -86,7 +96,8 @@ class Kernels(Service):
     def __repr__(self) -> str:
         return (
             f"Kernels(enabled={self.enabled!r}, fused_lora={self.fused_lora!r}, "
-            f"attention={self.attention!r}, keep_expanded={self.keep_expanded!r})"
+            f"attention={self.attention!r}, keep_expanded={self.keep_expanded!r}, "
+            f"fp32_outputs={self.fp32_outputs!r})"
         )
 
     def wrap_model(self, model: Any) -> Any:
@@ -101,7 +112,9 @@ class Kernels(Service):
         if self.fused_lora is True or (self.fused_lora == "auto" and quantized):
             from sakura_kernels.lora import fuse_lora
 
-            self.lora_reports.append(fuse_lora(model, keep_expanded=self.keep_expanded))
+            self.lora_reports.append(
+                fuse_lora(model, keep_expanded=self.keep_expanded, fp32_outputs=self.fp32_outputs)
+            )
             self._fused.add(model)
         on_cpu = all(p.device.type == "cpu" for p in model.parameters())
         if self.attention is True or (self.attention == "auto" and quantized and on_cpu):
