@@ -25,7 +25,7 @@ class FP8(WeightFormat):
         blocks = as_blocks(weight, block_size)
         absmax = block_absmax(blocks)
         scaled = (blocks * inverse(absmax).unsqueeze(1)).clamp_(-1.0, 1.0).mul_(E4M3_MAX)
-        codes = scaled.to(torch.float8_e4m3fn).view(-1)[:numel]
+        codes = scaled.view(-1)[:numel].to(torch.float8_e4m3fn)  # not a view (see int8)
         return {"data": codes, "scales": absmax}
 
     def dequantize(

@@ -22,7 +22,10 @@ class Int8(WeightFormat):
         blocks = as_blocks(weight, block_size)
         absmax = block_absmax(blocks)
         scaled = (blocks * inverse(absmax).unsqueeze(1)).clamp_(-1.0, 1.0).mul_(127.0)
-        codes = scaled.round_().to(torch.int8).view(-1)[:numel]
+        # Cast after cutting the padding: the codes own exactly their storage (a view of the
+        # padded block matrix would keep that alive through ``_base`` even once ``.data`` is
+        # swapped, as weight paging does: the codes twice in RAM).
+        codes = scaled.round_().view(-1)[:numel].to(torch.int8)
         return {"data": codes, "scales": absmax}
 
     def dequantize(
