@@ -170,7 +170,7 @@ def test_host_optimizer_moments_as_host_ram_requires(dtype: str) -> None:
     device = plans[1].device_bytes  # host optimizer, weights resident
     sizes = plans[1].sizes
     host = moment_bytes(dtype, sizes.trainable_numel) + sizes.master_bytes
-    state, result = fitted(device_budget=device, host_budget=host)
+    state, result = fitted(device_budget=device, host_budget=host, host_reserve=0)
     plan = state.plan
     assert (plan.optimizer, plan.weights, plan.moment_dtype, plan.option) == (
         "host", "resident", dtype, None
@@ -214,7 +214,9 @@ def test_weights_streamed_from_disk(tmp_path: Path) -> None:
     host = (
         disk_plan.host_bytes - sum(disk_plan.sizes.block_frozen) + disk_plan.sizes.block_frozen[0]
     )
-    state, result = fitted(tmp_path / "fit", device_budget=disk_plan.device_bytes, host_budget=host)
+    state, result = fitted(
+        tmp_path / "fit", device_budget=disk_plan.device_bytes, host_budget=host, host_reserve=0
+    )
     plan = state.plan
     assert (plan.optimizer, plan.weights, plan.option) == ("host", "disk", None)
     assert plan.block_tiers == ("host",) + ("disk",) * (LAYERS - 1)
@@ -277,6 +279,7 @@ def test_budget_below_the_smallest_plan_names_it() -> None:
         ("activations", "maybe", "auto"),
         ("prefetch", -1, ">= 0"),
         ("report", "yes", "True or False"),
+        ("host_reserve", "some", "a number of bytes"),
     ],
 )
 def test_bad_options_name_option_value_and_accepted(option: str, value: Any, accepted: str) -> None:
@@ -285,6 +288,12 @@ def test_bad_options_name_option_value_and_accepted(option: str, value: Any, acc
         sakura_offload.wrap(model, adamw(model), **{option: value})
     text = str(info.value)
     assert option in text and repr(value) in text and accepted in text, text
+
+
+def test_host_reserve_must_leave_part_of_the_host_budget() -> None:
+    model = lora_llama()
+    with pytest.raises(ValueError, match=r"host_reserve=4096 .*below host_budget \(4096 bytes\)"):
+        sakura_offload.wrap(model, adamw(model), host_budget=4096, host_reserve=4096)
 
 
 def test_unknown_choice_is_named() -> None:

@@ -109,3 +109,30 @@ def test_an_option_saving_more_than_there_is_is_an_error() -> None:
     greedy = FitOption("greedy", "all", 1.0, {"layers.0": 21 * MB}, 0)
     with pytest.raises(ValueError, match="greedy:all claims to save more"):
         SIZES.shrunk(greedy)
+
+
+def test_host_reserve_is_counted_in_every_plan_and_given_to_no_part() -> None:
+    """The reserve is part of every plan's host bytes and is left to no part: the blocks
+    host RAM keeps and the moments' format see the budget less the reserve."""
+    exact = Budgets(device=66 * MB, host=8 * MB + 40 * MB, disk=10**12)
+    plan = decide(SIZES, exact)
+    assert (plan.optimizer, plan.weights, plan.block_tiers.count("host")) == ("device", "disk", 2)
+    reserved = Budgets(device=66 * MB, host=8 * MB + 40 * MB, disk=10**12, host_reserve=8 * MB)
+    plan = decide(SIZES, reserved)
+    assert plan.host_bytes <= reserved.host and plan.host_bytes >= 8 * MB
+    assert plan.block_tiers.count("host") == 2  # 40 MiB of blocks still fit beside 8 reserved
+    moments = Budgets(device=None, host=8 * MB, host_reserve=1)
+    host_plan = [p for p in candidates(SIZES, moments) if p.optimizer == "host"][0]
+    assert host_plan.moment_dtype == "bfloat16"  # 8 MiB of fp32 moments no longer fit
+    tight = Budgets(device=66 * MB, host=40 * MB, disk=10**12, host_reserve=8 * MB)
+    plan = decide(SIZES, tight)
+    assert plan.block_tiers.count("host") == 1 and plan.host_bytes == 8 * MB + 20 * MB
+
+
+def test_auto_host_reserve_is_an_eighth_of_an_explicit_budget_at_most_a_gib() -> None:
+    from sakura_offload.fit.wrap import fit_options
+
+    assert fit_options(host_budget=48 * MB)["host_reserve"] == 6 * MB
+    assert fit_options(host_budget=64 * 2**30)["host_reserve"] == 2**30
+    assert fit_options()["host_reserve"] == 0  # the default budget keeps the RAM floor free
+    assert fit_options(host_budget=48 * MB, host_reserve="1MiB")["host_reserve"] == MB

@@ -88,7 +88,7 @@ def test_replan_to_disk_keeps_the_optimizer_on_the_device(tmp_path: Path) -> Non
     one_block = resident.sizes.block_frozen[0]
     model = lora_llama()
     model, optimizer = sakura_offload.wrap(
-        model, adamw(model), device_budget=resident.device_bytes + 1000, host_budget=one_block,
+        model, adamw(model), device_budget=resident.device_bytes + 1000, host_budget=one_block, host_reserve=0,
         activation_reserve=0, cost_trials=0, choices=None, disk_offload=tmp_path / "fit",
     )  # fmt: skip
     assert model.sakura_fit.plan.weights == "resident"

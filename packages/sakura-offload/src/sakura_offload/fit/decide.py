@@ -21,7 +21,8 @@ of the largest blocks being used), the optimizer's state when it stays (AdamW: t
 the size of the parameters) and ``activation_reserve``.  What is left of the device budget
 goes to the activations (:class:`~sakura_offload.MemoryPlanner` keeps, pages or recomputes
 them to fit it).  Host bytes counted: OffloadAdamW's moments and fp32 masters, and the
-streamed blocks kept in host RAM.  When nothing fits, :class:`FitError` names the smallest
+streamed blocks kept in host RAM, and ``host_reserve``: host RAM kept free for what no
+part accounts for (the allocator's slack, the loop's own buffers).  When nothing fits, :class:`FitError` names the smallest
 device budget (and, if that is the limit, host budget) that would.
 """
 
@@ -117,7 +118,8 @@ class Budgets:
     the streamed weights; ``disk``: bytes the disk tier may take (None: no disk tier);
     ``activation_reserve``: device bytes kept for activations; ``prefetch``: blocks copied
     ahead while one runs (WeightPaging's); ``moment_dtype``: ``"auto"`` or a fixed format
-    for the host optimizer."""
+    for the host optimizer; ``host_reserve``: host bytes counted in every plan and given to
+    no part (a plan's ``host_bytes`` include them)."""
 
     device: int | None
     host: int
@@ -125,6 +127,7 @@ class Budgets:
     activation_reserve: int = 0
     prefetch: int = 1
     moment_dtype: str = "auto"
+    host_reserve: int = 0
 
 
 @dataclass(frozen=True)
@@ -191,7 +194,7 @@ def candidates(
         if weights == "disk" and budgets.disk is None:
             continue
         device = sizes.trainable_bytes + grads + budgets.activation_reserve
-        host = 0
+        host = budgets.host_reserve
         dtype: str | None = None
         reason = ""
         if optimizer == "device":
@@ -206,7 +209,7 @@ def candidates(
             tiers = ("host",) * n
         streamed_host = sum(sizes.block_frozen) if weights == "host" else 0
         if optimizer == "host":
-            room = budgets.host - streamed_host
+            room = budgets.host - budgets.host_reserve - streamed_host
             if budgets.moment_dtype == "auto":
                 decision = choose_moment_dtype(sizes.trainable_numel, sizes.master_bytes, room)
                 dtype, reason = decision.value, decision.reason

@@ -88,7 +88,13 @@ def plan_table(
     rows.append(
         f"totals: device {_mb(plan.device_bytes)} of {_mb(budgets.device)} "
         f"(activations get {_mb(plan.activation_budget)}); host {_mb(plan.host_bytes)} of "
-        f"{_mb(budgets.host)}; disk {_mb(plan.disk_bytes)}"
+        f"{_mb(budgets.host)}"
+        + (
+            f" ({_mb(budgets.host_reserve)} of it kept free: host_reserve)"
+            if budgets.host_reserve
+            else ""
+        )
+        + f"; disk {_mb(plan.disk_bytes)}"
     )
     moved = sum(2 * b for b, t in zip(plan.sizes.block_frozen, plan.block_tiers, strict=True)
                 if t != "device")  # fmt: skip

@@ -30,7 +30,7 @@ _OWNER = "Fit"
 
 
 class Fit(Service):
-    """Spec ``fit[:device_budget][,host_budget=..,disk_offload=..,choices=..,moment_dtype=..,
+    """Spec ``fit[:device_budget][,host_budget=..,host_reserve=..,disk_offload=..,choices=..,moment_dtype=..,
     activations=..,activation_reserve=..,prefetch=..,cost_trials=..,report=..,blocks=..,
     replan=..,accumulation_steps=..,log_every=..]``, e.g.
     ``fit:device_budget=2GiB,host_budget=8GiB,disk_offload=/tmp/x``.  The options are
