@@ -38,10 +38,13 @@
 // vector addition per step, saturating packs for the codes), software prefetch a few KiB
 // ahead on every stream (the hardware prefetcher stops at each 4 KiB page, and with 7
 // streams per core it fell behind), and transparent huge pages for the optimizer's own state
-// (sakura_offload_advise_huge; fewer TLB misses).  bf16 is then bound by memory; int8 is a
-// little above its memory time, the codes' arithmetic taking about a tenth of it (tried
-// without gain: the division replaced by a Newton reciprocal, the codes of one block made
-// during the next block's update, longer or shorter prefetch distances).
+// (sakura_offload_advise_huge; fewer TLB misses).  bf16 is then bound by memory.  int8 is
+// bound by the divider on one thread (AdamW's sqrt and division, 16 values each per
+// instruction, about half of its time) and by memory on two: its update loop left the
+// vector ports half idle and its encode loop (which must wait for the block's maxima) left
+// the divider idle, so a block's codes are now made inside the next block's update loop
+// (int8_blocks_vec), which took 5-10 % off a step.  Tried without gain: the division
+// replaced by a Newton reciprocal (not bit for bit), longer or shorter prefetch distances.
 
 #include <sys/mman.h>
 
@@ -397,44 +400,6 @@ void bf16_vec(const Hyper h, float* p, const float* g, uint16_t* m, uint16_t* v,
   bf16_portable<kScaled>(h, p, g, m, v, i, end, key);
 }
 
-// int8_update<true, kScaled> on a full block, 16 values at a time
-template <bool kScaled>
-inline void int8_update_vec(const VecHyper& vh, const Int8Block& b, float* m_new,
-                            float* s_new, uint32_t& m_top, uint32_t& s_top) {
-  const __m512 m_fold = _mm512_set1_ps(*b.m_absmax / kSignedMax * kDecodeShift);
-  const __m512 s_fold = _mm512_set1_ps(*b.s_absmax / kUnsignedMax * kDecodeShift);
-  const __m512i sign_exp_mantissa = _mm512_set1_epi32(static_cast<int>(0x87F00000U));
-  const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
-  __m512i m_max = _mm512_setzero_si512();
-  __m512i s_max = _mm512_setzero_si512();
-  for (int j = 0; j < kBlock; j += 16) {
-    prefetch(b.p + j + kPrefetch);
-    prefetch(b.g + j + kPrefetch);
-    if ((j & 63) == 0) {
-      prefetch(b.m_codes + j + kPrefetch);
-      prefetch(b.s_codes + j + kPrefetch);
-    }
-    const __m128i mc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.m_codes + j));
-    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.s_codes + j));
-    // signed_code_bits / unsigned_code_bits, times the folded scales
-    const __m512i m_bits =
-        _mm512_and_si512(_mm512_slli_epi32(_mm512_cvtepi8_epi32(mc), 20), sign_exp_mantissa);
-    __m512 mi = _mm512_mul_ps(_mm512_castsi512_ps(m_bits), m_fold);
-    const __m512 so =
-        _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu8_epi32(sc), 19)), s_fold);
-    __m512 vi = _mm512_mul_ps(so, so), s;
-    const __m512 pi =
-        vec_adam<kScaled, false>(vh, _mm512_loadu_ps(b.p + j), _mm512_loadu_ps(b.g + j), mi, vi, s);
-    _mm512_storeu_ps(b.p + j, pi);
-    _mm512_store_ps(m_new + j, mi);
-    _mm512_store_ps(s_new + j, s);
-    m_max = _mm512_max_epu32(m_max, _mm512_and_si512(_mm512_castps_si512(mi), magnitude));
-    s_max = _mm512_max_epu32(s_max, _mm512_and_si512(_mm512_castps_si512(s), magnitude));
-  }
-  m_top = _mm512_reduce_max_epu32(m_max);
-  s_top = _mm512_reduce_max_epu32(s_max);
-}
-
 // signed_encode_nearest on 16 scaled values, as 16 bytes
 inline __m128i vec_signed_codes(__m512 y) {
   const __m512i b = _mm512_castps_si512(y);
@@ -458,60 +423,159 @@ inline __m128i vec_unsigned_codes(__m512 y, __m512i shifted) {
   return _mm512_cvtusepi32_epi8(_mm512_srli_epi32(sum, 19));
 }
 
+// A block whose new moments and scales are known and whose codes are still to be written
+// (by the next block's update loop, int8_update_vec, or by encode_all).
+struct PendingCodes {
+  const float* m_new;
+  const float* s_new;
+  uint8_t* m_codes;
+  uint8_t* s_codes;
+  __m512 m_first, m_second, s_first, s_second;
+  __m512i base;  // the pair hash's input for pair 0
+  int steps;     // 0: nothing pending; 1: both scales one factor; 2: two factors
+};
+
+inline PendingCodes pending_codes(const float* m_new, const float* s_new, EncodeScale m_sc,
+                                  EncodeScale s_sc, const Int8Block& b, uint32_t key) {
+  constexpr int64_t kHalf = kBlock / 2;
+  return PendingCodes{
+      m_new, s_new, b.m_codes, b.s_codes,
+      _mm512_set1_ps(m_sc.first), _mm512_set1_ps(m_sc.second),
+      _mm512_set1_ps(s_sc.first), _mm512_set1_ps(s_sc.second),
+      _mm512_set1_epi32(
+          static_cast<int>(static_cast<uint32_t>(b.index * kHalf) * 0x9E3779B9U + key)),
+      m_sc.second == 1.0f && s_sc.second == 1.0f ? 1 : 2};
+}
+
+// int8_encode on the pairs (j .. j + 15, j + 128 .. j + 143): 64 codes
 template <bool kOneStep>
-inline void int8_encode_vec(const float* m_new, const float* s_new, EncodeScale m_sc,
-                            EncodeScale s_sc, const Int8Block& b, uint32_t key) {
+inline void encode_pairs_vec(const PendingCodes& e, int j) {
   constexpr int kHalf = kBlock / 2;
-  const __m512 m_first = _mm512_set1_ps(m_sc.first), m_second = _mm512_set1_ps(m_sc.second);
-  const __m512 s_first = _mm512_set1_ps(s_sc.first), s_second = _mm512_set1_ps(s_sc.second);
   const auto m_scaled = [&](const float* x) {
-    const __m512 y = _mm512_mul_ps(_mm512_load_ps(x), m_first);
-    return kOneStep ? y : _mm512_mul_ps(y, m_second);
+    const __m512 y = _mm512_mul_ps(_mm512_load_ps(x), e.m_first);
+    return kOneStep ? y : _mm512_mul_ps(y, e.m_second);
   };
   const auto s_scaled = [&](const float* x) {
-    const __m512 y = _mm512_mul_ps(_mm512_load_ps(x), s_first);
-    return kOneStep ? y : _mm512_mul_ps(y, s_second);
+    const __m512 y = _mm512_mul_ps(_mm512_load_ps(x), e.s_first);
+    return kOneStep ? y : _mm512_mul_ps(y, e.s_second);
   };
-  const __m512i base =
-      _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(b.index * kHalf) * 0x9E3779B9U + key));
-  for (int j = 0; j < kHalf; j += 16) {
-    const __m512i steps = _mm512_load_si512(kPairSteps.step + j);
-    const __m512i r = vec_mix32(_mm512_add_epi32(base, steps));
-    auto* mb = reinterpret_cast<__m128i*>(b.m_codes + j);
-    auto* sb = reinterpret_cast<__m128i*>(b.s_codes + j);
-    _mm_storeu_si128(mb, vec_signed_codes(m_scaled(m_new + j)));
-    _mm_storeu_si128(mb + kHalf / 16, vec_signed_codes(m_scaled(m_new + j + kHalf)));
-    _mm_storeu_si128(sb, vec_unsigned_codes(s_scaled(s_new + j), _mm512_slli_epi32(r, 3)));
-    _mm_storeu_si128(sb + kHalf / 16,
-                     vec_unsigned_codes(s_scaled(s_new + j + kHalf), _mm512_srli_epi32(r, 13)));
+  const __m512i steps = _mm512_load_si512(kPairSteps.step + j);
+  const __m512i r = vec_mix32(_mm512_add_epi32(e.base, steps));
+  auto* mb = reinterpret_cast<__m128i*>(e.m_codes + j);
+  auto* sb = reinterpret_cast<__m128i*>(e.s_codes + j);
+  _mm_storeu_si128(mb, vec_signed_codes(m_scaled(e.m_new + j)));
+  _mm_storeu_si128(mb + kHalf / 16, vec_signed_codes(m_scaled(e.m_new + j + kHalf)));
+  _mm_storeu_si128(sb, vec_unsigned_codes(s_scaled(e.s_new + j), _mm512_slli_epi32(r, 3)));
+  _mm_storeu_si128(sb + kHalf / 16,
+                   vec_unsigned_codes(s_scaled(e.s_new + j + kHalf), _mm512_srli_epi32(r, 13)));
+}
+
+inline void encode_all_vec(const PendingCodes& e) {
+  for (int j = 0; j < kBlock / 2; j += 16) {
+    if (e.steps == 1)
+      encode_pairs_vec<true>(e, j);
+    else
+      encode_pairs_vec<false>(e, j);
   }
 }
 
+// int8_update<true, kScaled> on a full block, 16 values at a time, in the order of the
+// pairs (j, j + 128) (the maxima do not depend on the order).  kPending (1 or 2, the
+// previous block's PendingCodes::steps; 0: none): that block's codes are made in the same
+// loop, one pair chunk per step.  The update's sqrt and division wait on the divider while
+// the codes' integer work needs none, so the two overlap (a block's codes cannot be made
+// in its own update loop: they need its maxima).
+template <bool kScaled, int kPending>
+inline void int8_update_vec(const VecHyper& vh, const Int8Block& b, float* m_new,
+                            float* s_new, uint32_t& m_top, uint32_t& s_top,
+                            const PendingCodes& pending) {
+  const __m512 m_fold = _mm512_set1_ps(*b.m_absmax / kSignedMax * kDecodeShift);
+  const __m512 s_fold = _mm512_set1_ps(*b.s_absmax / kUnsignedMax * kDecodeShift);
+  const __m512i sign_exp_mantissa = _mm512_set1_epi32(static_cast<int>(0x87F00000U));
+  const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
+  __m512i m_max = _mm512_setzero_si512();
+  __m512i s_max = _mm512_setzero_si512();
+  const auto update = [&](int j) {
+    prefetch(b.p + j + kPrefetch);
+    prefetch(b.g + j + kPrefetch);
+    if ((j & 63) == 0) {
+      prefetch(b.m_codes + j + kPrefetch);
+      prefetch(b.s_codes + j + kPrefetch);
+    }
+    const __m128i mc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.m_codes + j));
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.s_codes + j));
+    // signed_code_bits / unsigned_code_bits, times the folded scales
+    const __m512i m_bits =
+        _mm512_and_si512(_mm512_slli_epi32(_mm512_cvtepi8_epi32(mc), 20), sign_exp_mantissa);
+    __m512 mi = _mm512_mul_ps(_mm512_castsi512_ps(m_bits), m_fold);
+    const __m512 so =
+        _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu8_epi32(sc), 19)), s_fold);
+    __m512 vi = _mm512_mul_ps(so, so), s;
+    const __m512 pi =
+        vec_adam<kScaled, false>(vh, _mm512_loadu_ps(b.p + j), _mm512_loadu_ps(b.g + j), mi, vi, s);
+    _mm512_storeu_ps(b.p + j, pi);
+    _mm512_store_ps(m_new + j, mi);
+    _mm512_store_ps(s_new + j, s);
+    m_max = _mm512_max_epu32(m_max, _mm512_and_si512(_mm512_castps_si512(mi), magnitude));
+    s_max = _mm512_max_epu32(s_max, _mm512_and_si512(_mm512_castps_si512(s), magnitude));
+  };
+  for (int j = 0; j < kBlock / 2; j += 16) {
+    update(j);
+    update(j + kBlock / 2);
+    if (kPending != 0) encode_pairs_vec<kPending == 1>(pending, j);
+  }
+  m_top = _mm512_reduce_max_epu32(m_max);
+  s_top = _mm512_reduce_max_epu32(s_max);
+}
+
+// The int8 blocks [first, last) of one tensor.  Full blocks with small absmaxes take the
+// AVX-512 loops, their codes made during the next block's update (software pipelining,
+// two buffers of new moments); the others, and a block with a non-finite new moment, the
+// portable path, after the pending codes are written.
 template <bool kScaled>
-inline void int8_block_vec(const Hyper& h, const VecHyper& vh, const Int8Block& b,
-                           int64_t len, uint32_t key) {
-  if (len != kBlock || !(*b.m_absmax < kFoldLimit && *b.s_absmax < kFoldLimit)) {
-    int8_block_portable<kScaled>(h, b, len, key);
-    return;
+void int8_blocks_vec(const Hyper& h, const Job& job, int64_t first, int64_t last) {
+  const VecHyper vh(h);
+  auto* mc = static_cast<uint8_t*>(job.m);
+  auto* sc = static_cast<uint8_t*>(job.v);
+  alignas(64) float m_new[2][kBlock];
+  alignas(64) float s_new[2][kBlock];
+  PendingCodes pending{};
+  pending.steps = 0;
+  int buffer = 0;
+  for (int64_t b = first; b < last; ++b) {
+    const int64_t begin = b * kBlock;
+    const int64_t len = std::min(job.n, begin + kBlock) - begin;
+    const Int8Block block{job.p + begin, job.g + begin, mc + begin, job.m_absmax + b,
+                          sc + begin,    job.v_absmax + b, b};
+    if (len != kBlock || !(*block.m_absmax < kFoldLimit && *block.s_absmax < kFoldLimit)) {
+      if (pending.steps != 0) encode_all_vec(pending);
+      pending.steps = 0;
+      int8_block_portable<kScaled>(h, block, len, job.key);
+      continue;
+    }
+    float* m_out = m_new[buffer];
+    float* s_out = s_new[buffer];
+    uint32_t m_bits, s_bits;
+    if (pending.steps == 0)
+      int8_update_vec<kScaled, 0>(vh, block, m_out, s_out, m_bits, s_bits, pending);
+    else if (pending.steps == 1)
+      int8_update_vec<kScaled, 1>(vh, block, m_out, s_out, m_bits, s_bits, pending);
+    else
+      int8_update_vec<kScaled, 2>(vh, block, m_out, s_out, m_bits, s_bits, pending);
+    pending.steps = 0;
+    if (m_bits > kFiniteBits || s_bits > kFiniteBits) {
+      int8_finish(m_out, s_out, m_bits, s_bits, block, job.key);  // rare: the portable path
+      continue;
+    }
+    const float m_max = from_bits(m_bits);
+    const float s_max = from_bits(s_bits);
+    pending = pending_codes(m_out, s_out, encode_scale(m_max, kSignedMax),
+                            encode_scale(s_max, kUnsignedMax), block, job.key);
+    *block.m_absmax = m_max;  // read by this block's decode only, done
+    *block.s_absmax = s_max;
+    buffer ^= 1;
   }
-  alignas(64) float m_new[kBlock];
-  alignas(64) float s_new[kBlock];
-  uint32_t m_bits, s_bits;
-  int8_update_vec<kScaled>(vh, b, m_new, s_new, m_bits, s_bits);
-  if (m_bits > kFiniteBits || s_bits > kFiniteBits) {
-    int8_finish(m_new, s_new, m_bits, s_bits, b, key);  // rare: the portable path
-    return;
-  }
-  const float m_max = from_bits(m_bits);
-  const float s_max = from_bits(s_bits);
-  const EncodeScale m_sc = encode_scale(m_max, kSignedMax);
-  const EncodeScale s_sc = encode_scale(s_max, kUnsignedMax);
-  if (m_sc.second == 1.0f && s_sc.second == 1.0f)
-    int8_encode_vec<true>(m_new, s_new, m_sc, s_sc, b, key);
-  else
-    int8_encode_vec<false>(m_new, s_new, m_sc, s_sc, b, key);
-  *b.m_absmax = m_max;
-  *b.s_absmax = s_max;
+  if (pending.steps != 0) encode_all_vec(pending);
 }
 #endif  // SAKURA_AVX512
 
@@ -527,22 +591,19 @@ void run_item(int format, const Job& job, int64_t item) {
     const int64_t blocks = (job.n + kBlock - 1) / kBlock;
     const int64_t first = item * kBlocksPerItem;
     const int64_t last = std::min(blocks, first + kBlocksPerItem);
+#if SAKURA_AVX512
+    int8_blocks_vec<kScaled>(h, job, first, last);
+#else
     auto* mc = static_cast<uint8_t*>(job.m);
     auto* sc = static_cast<uint8_t*>(job.v);
-#if SAKURA_AVX512
-    const VecHyper vh(h);
-#endif
     for (int64_t b = first; b < last; ++b) {
       const int64_t begin = b * kBlock;
       const int64_t len = std::min(job.n, begin + kBlock) - begin;
       const Int8Block block{job.p + begin, job.g + begin, mc + begin, job.m_absmax + b,
                             sc + begin,    job.v_absmax + b, b};
-#if SAKURA_AVX512
-      int8_block_vec<kScaled>(h, vh, block, len, job.key);
-#else
       int8_block_portable<kScaled>(h, block, len, job.key);
-#endif
     }
+#endif
     return;
   }
   const int64_t begin = item * kChunk;
