@@ -4,8 +4,8 @@ to put them in a host store -- frees the originals.
 
 Before this was checked, int8 and FP8 codes were views of the padded block matrix they were
 cast from: a swapped ``.data`` left the old codes alive through the view's ``_base``, and a
-paged int8 base sat in RAM twice (``benchmarks/fit.py``: +18 MiB anonymous RSS, its int8
-plans over their budget)."""
+paged int8 base sat in RAM twice (``benchmarks/fit.py``: 15-18 MiB more anonymous RSS,
+every int8 plan over its budget)."""
 
 from __future__ import annotations
 
