@@ -39,12 +39,16 @@
 // ahead on every stream (the hardware prefetcher stops at each 4 KiB page, and with 7
 // streams per core it fell behind), and transparent huge pages for the optimizer's own state
 // (sakura_offload_advise_huge; fewer TLB misses).  bf16 is then bound by memory.  int8 is
-// bound by the divider on one thread (AdamW's sqrt and division, 16 values each per
-// instruction, about half of its time) and by memory on two: its update loop left the
-// vector ports half idle and its encode loop (which must wait for the block's maxima) left
-// the divider idle, so a block's codes are now made inside the next block's update loop
-// (int8_blocks_vec), which took 5-10 % off a step.  Tried without gain: the division
-// replaced by a Newton reciprocal (not bit for bit), longer or shorter prefetch distances.
+// bound by instructions on one thread (about 0.9 ns per value: decode, AdamW with its
+// sqrt and division, the hash, the encode).  Its encode loop must wait for the block's
+// maxima and needs no divider, so a block's codes are made inside the next block's update
+// loop (int8_blocks_vec; 3-8 % less time than the two loops one after the other).  Tried
+// without gain: the division as rcp14 + Newton steps + Markstein's correction (identical
+// results on the tests, 9-13 % slower: the vector ports, not the divider, are the limit),
+// longer or shorter prefetch distances.  Blocks whose codes include subnormal ones (a
+// value under 2^-14 of its block's absmax) decode and encode through fp32 denormals,
+// which cost microcode assists: gradients with 1-in-1000 outliers 300x the rest made a
+// step about 25 % slower.
 
 #include <sys/mman.h>
 
