@@ -53,7 +53,9 @@ def _grad(n: int, step: int) -> torch.Tensor:
     """Ordinary gradients, with blocks chosen to take each path on the first step:
     block 3 two-factor encode scales (its new absmaxes just under the fold limit, 2^15),
     block 6 over the fold limit, block 9 an Inf, block 10 a NaN, blocks 64-65 (the second
-    work item's first) two-factor then over the limit; the rest fast blocks in a row."""
+    work item's first) two-factor then over the limit, blocks 12 and 70 an outlier 5e5
+    times the rest, so that from step 2 on most of their codes are subnormal (decoded
+    without fp32 denormals); the rest fast blocks in a row."""
     g = torch.Generator().manual_seed(100 + step)
     grad = torch.randn(n, generator=g) * 1e-2
     if step == 1:
@@ -63,6 +65,8 @@ def _grad(n: int, step: int) -> torch.Tensor:
             grad[block * BLOCK + 17] = 318_000.0
         for block in (6, 65):
             grad[block * BLOCK + 40] = 1e9
+        for block in (12, 70):
+            grad[block * BLOCK + 200] = 5_000.0
         grad[9 * BLOCK + 100] = float("inf")
         grad[10 * BLOCK + 3] = float("nan")
     return grad
@@ -112,6 +116,12 @@ def test_int8_block_pipeline_equals_the_portable_build_bit_for_bit(
     finally:
         torch.set_num_threads(previous)
     absmax = states[0]["m_absmax"]
-    # the paths were taken: two-factor blocks, blocks over the fold limit, local Inf/NaN
+    # the paths were taken: two-factor blocks, blocks over the fold limit, local Inf/NaN,
+    # subnormal codes (signed: exponent bits clear, mantissa not; unsigned: 1..15)
     assert absmax[6] >= 2**15 and absmax[65] >= 2**15
+    for block in (12, 70):
+        m_codes = states[0]["m"][block * BLOCK : (block + 1) * BLOCK].int()
+        s_codes = states[0]["v"][block * BLOCK : (block + 1) * BLOCK].int()
+        assert (((m_codes & 0x78) == 0) & ((m_codes & 0x07) != 0)).sum() > 100
+        assert ((s_codes >= 1) & (s_codes <= 15)).sum() > 100
     assert states[0]["p"].isfinite().sum() == n - 2

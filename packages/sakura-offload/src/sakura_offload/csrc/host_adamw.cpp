@@ -483,18 +483,57 @@ inline void encode_all_vec(const PendingCodes& e) {
   }
 }
 
+// code_bits * fold without an fp32 denormal operand (which costs the CPU a microcode assist,
+// about a hundred cycles): a lane whose code is subnormal and not zero has code_bits
+// +-k * 2^(shift - 149) (k its mantissa); it is computed as +-k * fold_sub, fold_sub =
+// fold * 2^(shift - 149), a normal float (the caller checks): the same real product, so the
+// same single rounding.  The other lanes as before (the subnormal ones zeroed first).
+inline __m512 vec_decode_no_denormal(__m512i bits, __m512 fold, __m512 fold_sub, int shift) {
+  const __m512i mantissa = _mm512_set1_epi32(0x007FFFFF);
+  const __mmask16 sub = _mm512_mask_test_epi32_mask(
+      _mm512_testn_epi32_mask(bits, _mm512_set1_epi32(0x7F800000)), bits, mantissa);
+  const __m512 value = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_maskz_mov_epi32(~sub, bits)), fold);
+  const __m512i k = _mm512_castps_si512(
+      _mm512_cvtepi32_ps(_mm512_srli_epi32(_mm512_and_si512(bits, mantissa), shift)));
+  // k | (bits & sign)
+  const __m512 signed_k = _mm512_castsi512_ps(
+      _mm512_ternarylogic_epi32(k, bits, _mm512_set1_epi32(static_cast<int>(0x80000000U)), 0xF8));
+  return _mm512_mask_mul_ps(value, sub, signed_k, fold_sub);
+}
+
+// Whether a block holds a subnormal code other than zero: signed codes with exponent bits
+// (0x78) clear and mantissa bits (0x07) not, unsigned codes 1..15.
+inline bool has_subnormal_codes(const uint8_t* m_codes, const uint8_t* s_codes) {
+  __mmask64 any = 0;
+  for (int j = 0; j < kBlock; j += 64) {
+    const __m512i mc = _mm512_loadu_si512(m_codes + j);
+    const __m512i sc = _mm512_loadu_si512(s_codes + j);
+    any |= _mm512_mask_test_epi8_mask(_mm512_testn_epi8_mask(mc, _mm512_set1_epi8(0x78)), mc,
+                                      _mm512_set1_epi8(0x07));
+    any |= _mm512_mask_test_epi8_mask(
+        _mm512_testn_epi8_mask(sc, _mm512_set1_epi8(static_cast<char>(0xF0))), sc,
+        _mm512_set1_epi8(0x0F));
+  }
+  return any != 0;
+}
+
 // int8_update<true, kScaled> on a full block, 16 values at a time, in the order of the
 // pairs (j, j + 128) (the maxima do not depend on the order).  kPending (1 or 2, the
 // previous block's PendingCodes::steps; 0: none): that block's codes are made in the same
 // loop, one pair chunk per step.  The update's sqrt and division wait on the divider while
 // the codes' integer work needs none, so the two overlap (a block's codes cannot be made
 // in its own update loop: they need its maxima).
-template <bool kScaled, int kPending>
+template <bool kScaled, int kPending, bool kSubnormal>
 inline void int8_update_vec(const VecHyper& vh, const Int8Block& b, float* m_new,
                             float* s_new, uint32_t& m_top, uint32_t& s_top,
                             const PendingCodes& pending) {
-  const __m512 m_fold = _mm512_set1_ps(*b.m_absmax / kSignedMax * kDecodeShift);
-  const __m512 s_fold = _mm512_set1_ps(*b.s_absmax / kUnsignedMax * kDecodeShift);
+  const float m_fold_1 = *b.m_absmax / kSignedMax * kDecodeShift;
+  const float s_fold_1 = *b.s_absmax / kUnsignedMax * kDecodeShift;
+  const __m512 m_fold = _mm512_set1_ps(m_fold_1);
+  const __m512 s_fold = _mm512_set1_ps(s_fold_1);
+  // the subnormal codes' scales (exact: kSubnormal only where they are normal floats)
+  const __m512 m_fold_sub = _mm512_set1_ps(kSubnormal ? std::ldexp(m_fold_1, 20 - 149) : 0.0f);
+  const __m512 s_fold_sub = _mm512_set1_ps(kSubnormal ? std::ldexp(s_fold_1, 19 - 149) : 0.0f);
   const __m512i sign_exp_mantissa = _mm512_set1_epi32(static_cast<int>(0x87F00000U));
   const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
   __m512i m_max = _mm512_setzero_si512();
@@ -511,9 +550,11 @@ inline void int8_update_vec(const VecHyper& vh, const Int8Block& b, float* m_new
     // signed_code_bits / unsigned_code_bits, times the folded scales
     const __m512i m_bits =
         _mm512_and_si512(_mm512_slli_epi32(_mm512_cvtepi8_epi32(mc), 20), sign_exp_mantissa);
-    __m512 mi = _mm512_mul_ps(_mm512_castsi512_ps(m_bits), m_fold);
-    const __m512 so =
-        _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu8_epi32(sc), 19)), s_fold);
+    const __m512i s_bits = _mm512_slli_epi32(_mm512_cvtepu8_epi32(sc), 19);
+    __m512 mi = kSubnormal ? vec_decode_no_denormal(m_bits, m_fold, m_fold_sub, 20)
+                           : _mm512_mul_ps(_mm512_castsi512_ps(m_bits), m_fold);
+    const __m512 so = kSubnormal ? vec_decode_no_denormal(s_bits, s_fold, s_fold_sub, 19)
+                                 : _mm512_mul_ps(_mm512_castsi512_ps(s_bits), s_fold);
     __m512 vi = _mm512_mul_ps(so, so), s;
     const __m512 pi =
         vec_adam<kScaled, false>(vh, _mm512_loadu_ps(b.p + j), _mm512_loadu_ps(b.g + j), mi, vi, s);
@@ -560,12 +601,25 @@ void int8_blocks_vec(const Hyper& h, const Job& job, int64_t first, int64_t last
     float* m_out = m_new[buffer];
     float* s_out = s_new[buffer];
     uint32_t m_bits, s_bits;
-    if (pending.steps == 0)
-      int8_update_vec<kScaled, 0>(vh, block, m_out, s_out, m_bits, s_bits, pending);
-    else if (pending.steps == 1)
-      int8_update_vec<kScaled, 1>(vh, block, m_out, s_out, m_bits, s_bits, pending);
-    else
-      int8_update_vec<kScaled, 2>(vh, block, m_out, s_out, m_bits, s_bits, pending);
+    // subnormal codes decoded without fp32 denormals where their scales allow it (absmaxes
+    // above about 1e-32)
+    const bool subnormal = *block.m_absmax / kSignedMax * kDecodeShift >= 0x1p3f &&
+                           *block.s_absmax / kUnsignedMax * kDecodeShift >= 0x1p4f &&
+                           has_subnormal_codes(block.m_codes, block.s_codes);
+    if (subnormal) {
+      if (pending.steps == 0)
+        int8_update_vec<kScaled, 0, true>(vh, block, m_out, s_out, m_bits, s_bits, pending);
+      else if (pending.steps == 1)
+        int8_update_vec<kScaled, 1, true>(vh, block, m_out, s_out, m_bits, s_bits, pending);
+      else
+        int8_update_vec<kScaled, 2, true>(vh, block, m_out, s_out, m_bits, s_bits, pending);
+    } else if (pending.steps == 0) {
+      int8_update_vec<kScaled, 0, false>(vh, block, m_out, s_out, m_bits, s_bits, pending);
+    } else if (pending.steps == 1) {
+      int8_update_vec<kScaled, 1, false>(vh, block, m_out, s_out, m_bits, s_bits, pending);
+    } else {
+      int8_update_vec<kScaled, 2, false>(vh, block, m_out, s_out, m_bits, s_bits, pending);
+    }
     pending.steps = 0;
     if (m_bits > kFiniteBits || s_bits > kFiniteBits) {
       int8_finish(m_out, s_out, m_bits, s_bits, block, job.key);  // rare: the portable path
