@@ -587,6 +587,7 @@ void int8_blocks_vec(const Hyper& h, const Job& job, int64_t first, int64_t last
   PendingCodes pending{};
   pending.steps = 0;
   int buffer = 0;
+  const bool denormals_read = (_mm_getcsr() & 0x0040U) == 0;  // MXCSR.DAZ clear
   for (int64_t b = first; b < last; ++b) {
     const int64_t begin = b * kBlock;
     const int64_t len = std::min(job.n, begin + kBlock) - begin;
@@ -602,8 +603,9 @@ void int8_blocks_vec(const Hyper& h, const Job& job, int64_t first, int64_t last
     float* s_out = s_new[buffer];
     uint32_t m_bits, s_bits;
     // subnormal codes decoded without fp32 denormals where their scales allow it (absmaxes
-    // above about 1e-32)
-    const bool subnormal = *block.m_absmax / kSignedMax * kDecodeShift >= 0x1p3f &&
+    // above about 1e-32) and where the thread reads denormals as such (under
+    // denormals-are-zero the portable decode reads them as zero: so does this one)
+    const bool subnormal = denormals_read && *block.m_absmax / kSignedMax * kDecodeShift >= 0x1p3f &&
                            *block.s_absmax / kUnsignedMax * kDecodeShift >= 0x1p4f &&
                            has_subnormal_codes(block.m_codes, block.s_codes);
     if (subnormal) {
