@@ -435,31 +435,72 @@ struct PendingCodes {
   uint8_t* m_codes;
   uint8_t* s_codes;
   __m512 m_first, m_second, s_first, s_second;
+  __m512 m_first_149, s_first_149;  // first * 2^149 (steps 3 only)
   __m512i base;  // the pair hash's input for pair 0
-  int steps;     // 0: nothing pending; 1: both scales one factor; 2: two factors
+  int steps;     // 0: nothing pending; 1: both scales one factor; 2: two factors;
+                 // 3: one factor, products under 2^-126 made without denormals
 };
 
+// tiny: the block is expected to have subnormal codes (its old codes had); taken where
+// exact (one factor, first * 2^149 finite) and where the thread does not flush denormal
+// results to zero (MXCSR.FTZ; then the plain product is what the portable path gives).
 inline PendingCodes pending_codes(const float* m_new, const float* s_new, EncodeScale m_sc,
-                                  EncodeScale s_sc, const Int8Block& b, uint32_t key) {
+                                  EncodeScale s_sc, const Int8Block& b, uint32_t key,
+                                  bool tiny) {
   constexpr int64_t kHalf = kBlock / 2;
+  const bool one = m_sc.second == 1.0f && s_sc.second == 1.0f;
+  const float m_149 = std::ldexp(m_sc.first, 149);
+  const float s_149 = std::ldexp(s_sc.first, 149);
+  const bool exact_tiny = tiny && one && is_finite(m_149) && is_finite(s_149) &&
+                          (_mm_getcsr() & 0x8000U) == 0;
   return PendingCodes{
       m_new, s_new, b.m_codes, b.s_codes,
       _mm512_set1_ps(m_sc.first), _mm512_set1_ps(m_sc.second),
       _mm512_set1_ps(s_sc.first), _mm512_set1_ps(s_sc.second),
+      _mm512_set1_ps(exact_tiny ? m_149 : 0.0f), _mm512_set1_ps(exact_tiny ? s_149 : 0.0f),
       _mm512_set1_epi32(
           static_cast<int>(static_cast<uint32_t>(b.index * kHalf) * 0x9E3779B9U + key)),
-      m_sc.second == 1.0f && s_sc.second == 1.0f ? 1 : 2};
+      exact_tiny ? 3 : (one ? 1 : 2)};
 }
 
-// int8_encode on the pairs (j .. j + 15, j + 128 .. j + 143): 64 codes
-template <bool kOneStep>
+// x * first (first > 0) without an fp32 denormal result (a microcode assist): lanes whose
+// product is under 2^-126 get the denormal's bits as an integer, |x| * first * 2^149
+// rounded to nearest even: hi = RN(|x| * first_149) (first_149 = first * 2^149, exact),
+// lo = |x| * first_149 - hi (exact, an fma); hi rounded to an integer, except where hi is
+// a half-integer and lo is not zero: then lo's sign decides.  The sign is x's.
+inline __m512 vec_scaled_no_denormal(__m512 x, __m512 first, __m512 first_149) {
+  const __m512 ax = _mm512_abs_ps(x);
+  const __m512 hi = _mm512_mul_ps(ax, first_149);
+  const __mmask16 tiny = _mm512_cmp_ps_mask(hi, _mm512_set1_ps(0x1p23f), _CMP_LT_OQ);
+  if (tiny == 0) return _mm512_mul_ps(x, first);
+  const __m512 normal = _mm512_mul_ps(_mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), x), first);
+  const __m512 lo = _mm512_fmsub_ps(ax, first_149, hi);
+  __m512 n = _mm512_roundscale_ps(hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 down = _mm512_roundscale_ps(hi, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __mmask16 half = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(hi, n)),
+                                            _mm512_set1_ps(0.5f), _CMP_EQ_OQ);
+  const __m512 zero = _mm512_setzero_ps();
+  n = _mm512_mask_mov_ps(n, half & _mm512_cmp_ps_mask(lo, zero, _CMP_LT_OQ), down);
+  n = _mm512_mask_mov_ps(n, half & _mm512_cmp_ps_mask(lo, zero, _CMP_GT_OQ),
+                         _mm512_add_ps(down, _mm512_set1_ps(1.0f)));
+  // n | (x & sign), as bits
+  const __m512i bits = _mm512_ternarylogic_epi32(
+      _mm512_cvttps_epi32(n), _mm512_castps_si512(x),
+      _mm512_set1_epi32(static_cast<int>(0x80000000U)), 0xF8);
+  return _mm512_mask_mov_ps(normal, tiny, _mm512_castsi512_ps(bits));
+}
+
+// int8_encode on the pairs (j .. j + 15, j + 128 .. j + 143): 64 codes.  kTiny: steps 3.
+template <bool kOneStep, bool kTiny = false>
 inline void encode_pairs_vec(const PendingCodes& e, int j) {
   constexpr int kHalf = kBlock / 2;
   const auto m_scaled = [&](const float* x) {
+    if (kTiny) return vec_scaled_no_denormal(_mm512_load_ps(x), e.m_first, e.m_first_149);
     const __m512 y = _mm512_mul_ps(_mm512_load_ps(x), e.m_first);
     return kOneStep ? y : _mm512_mul_ps(y, e.m_second);
   };
   const auto s_scaled = [&](const float* x) {
+    if (kTiny) return vec_scaled_no_denormal(_mm512_load_ps(x), e.s_first, e.s_first_149);
     const __m512 y = _mm512_mul_ps(_mm512_load_ps(x), e.s_first);
     return kOneStep ? y : _mm512_mul_ps(y, e.s_second);
   };
@@ -478,8 +519,10 @@ inline void encode_all_vec(const PendingCodes& e) {
   for (int j = 0; j < kBlock / 2; j += 16) {
     if (e.steps == 1)
       encode_pairs_vec<true>(e, j);
-    else
+    else if (e.steps == 2)
       encode_pairs_vec<false>(e, j);
+    else
+      encode_pairs_vec<true, true>(e, j);
   }
 }
 
@@ -567,10 +610,29 @@ inline void int8_update_vec(const VecHyper& vh, const Int8Block& b, float* m_new
   for (int j = 0; j < kBlock / 2; j += 16) {
     update(j);
     update(j + kBlock / 2);
-    if (kPending != 0) encode_pairs_vec<kPending == 1>(pending, j);
+    if (kPending != 0) encode_pairs_vec<kPending != 2, kPending == 3>(pending, j);
   }
   m_top = _mm512_reduce_max_epu32(m_max);
   s_top = _mm512_reduce_max_epu32(s_max);
+}
+
+template <bool kScaled, bool kSubnormal>
+inline void int8_update_dispatch(const VecHyper& vh, const Int8Block& b, float* m_new,
+                                 float* s_new, uint32_t& m_top, uint32_t& s_top,
+                                 const PendingCodes& pending) {
+  switch (pending.steps) {
+    case 0:
+      int8_update_vec<kScaled, 0, kSubnormal>(vh, b, m_new, s_new, m_top, s_top, pending);
+      break;
+    case 1:
+      int8_update_vec<kScaled, 1, kSubnormal>(vh, b, m_new, s_new, m_top, s_top, pending);
+      break;
+    case 2:
+      int8_update_vec<kScaled, 2, kSubnormal>(vh, b, m_new, s_new, m_top, s_top, pending);
+      break;
+    default:
+      int8_update_vec<kScaled, 3, kSubnormal>(vh, b, m_new, s_new, m_top, s_top, pending);
+  }
 }
 
 // The int8 blocks [first, last) of one tensor.  Full blocks with small absmaxes take the
@@ -608,20 +670,10 @@ void int8_blocks_vec(const Hyper& h, const Job& job, int64_t first, int64_t last
     const bool subnormal = denormals_read && *block.m_absmax / kSignedMax * kDecodeShift >= 0x1p3f &&
                            *block.s_absmax / kUnsignedMax * kDecodeShift >= 0x1p4f &&
                            has_subnormal_codes(block.m_codes, block.s_codes);
-    if (subnormal) {
-      if (pending.steps == 0)
-        int8_update_vec<kScaled, 0, true>(vh, block, m_out, s_out, m_bits, s_bits, pending);
-      else if (pending.steps == 1)
-        int8_update_vec<kScaled, 1, true>(vh, block, m_out, s_out, m_bits, s_bits, pending);
-      else
-        int8_update_vec<kScaled, 2, true>(vh, block, m_out, s_out, m_bits, s_bits, pending);
-    } else if (pending.steps == 0) {
-      int8_update_vec<kScaled, 0, false>(vh, block, m_out, s_out, m_bits, s_bits, pending);
-    } else if (pending.steps == 1) {
-      int8_update_vec<kScaled, 1, false>(vh, block, m_out, s_out, m_bits, s_bits, pending);
-    } else {
-      int8_update_vec<kScaled, 2, false>(vh, block, m_out, s_out, m_bits, s_bits, pending);
-    }
+    if (subnormal)
+      int8_update_dispatch<kScaled, true>(vh, block, m_out, s_out, m_bits, s_bits, pending);
+    else
+      int8_update_dispatch<kScaled, false>(vh, block, m_out, s_out, m_bits, s_bits, pending);
     pending.steps = 0;
     if (m_bits > kFiniteBits || s_bits > kFiniteBits) {
       int8_finish(m_out, s_out, m_bits, s_bits, block, job.key);  // rare: the portable path
@@ -630,7 +682,7 @@ void int8_blocks_vec(const Hyper& h, const Job& job, int64_t first, int64_t last
     const float m_max = from_bits(m_bits);
     const float s_max = from_bits(s_bits);
     pending = pending_codes(m_out, s_out, encode_scale(m_max, kSignedMax),
-                            encode_scale(s_max, kUnsignedMax), block, job.key);
+                            encode_scale(s_max, kUnsignedMax), block, job.key, subnormal);
     *block.m_absmax = m_max;  // read by this block's decode only, done
     *block.s_absmax = s_max;
     buffer ^= 1;
