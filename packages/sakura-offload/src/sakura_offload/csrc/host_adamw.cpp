@@ -45,10 +45,16 @@
 // loop (int8_blocks_vec; 3-8 % less time than the two loops one after the other).  Tried
 // without gain: the division as rcp14 + Newton steps + Markstein's correction (identical
 // results on the tests, 9-13 % slower: the vector ports, not the divider, are the limit),
-// longer or shorter prefetch distances.  Blocks whose codes include subnormal ones (a
-// value under 2^-14 of its block's absmax) decode and encode through fp32 denormals,
-// which cost microcode assists: gradients with 1-in-1000 outliers 300x the rest made a
-// step about 25 % slower.
+// longer or shorter prefetch distances.  Subnormal codes (a value under about 2^-14 of its
+// block's absmax, common where a gradient has outliers) are fp32 denormals in the plain
+// decode and encode, and each instruction that reads or writes one costs a microcode
+// assist (about a hundred cycles): with 1-in-1000 gradient values 300x the rest a step took
+// 1.3x as long.  Blocks whose codes were subnormal are decoded and encoded by exact integer
+// and normal-range arithmetic instead (vec_decode_no_denormal, vec_scaled_no_denormal: the
+// same real products, so the same roundings, unless the thread flushes denormals).
+//
+// Long file: the portable and the AVX-512 loops of three formats, kept side by side so that
+// each vector loop sits next to the portable loop it must match bit for bit.
 
 #include <sys/mman.h>
 
