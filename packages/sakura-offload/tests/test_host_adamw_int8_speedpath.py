@@ -6,9 +6,6 @@ last block, across work items."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -18,24 +15,6 @@ from sakura_offload.host_optimizer.backends import Hyper, KernelBackend, Update
 
 BLOCK = 256
 ITEM_BLOCKS = 64  # int8 blocks per work item (16384 values)
-
-
-@pytest.fixture(scope="module")
-def vector() -> _kernel.Kernel:
-    kernel = _kernel.load_kernel(required=True)
-    assert kernel is not None
-    return kernel
-
-
-@pytest.fixture(scope="module")
-def portable(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_kernel.Kernel]:
-    """The same source built without AVX-512: the portable loops only."""
-    library = _kernel.LIBRARY.replace(cflags=(*_kernel.CFLAGS, "-mno-avx512f"))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(_kernel.CACHE_ENV, str(tmp_path_factory.mktemp("portable-int8")))
-        lib = library.load(required=True)
-        assert lib is not None and library.path is not None
-        yield _kernel.Kernel(lib, Path(library.path))
 
 
 def _state(n: int) -> dict[str, torch.Tensor]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import ctypes
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,24 +20,6 @@ from sakura_offload.host_optimizer.backends import Hyper, KernelBackend, Update,
 from sakura_offload.host_optimizer.state_layout import new_state
 
 FORMATS = ("float32", "bfloat16", "int8")
-
-
-@pytest.fixture(scope="module")
-def vector() -> _kernel.Kernel:
-    kernel = _kernel.load_kernel(required=True)
-    assert kernel is not None
-    return kernel
-
-
-@pytest.fixture(scope="module")
-def portable(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_kernel.Kernel]:
-    """The same source built without AVX-512: the portable loops only."""
-    library = _kernel.LIBRARY.replace(cflags=(*_kernel.CFLAGS, "-mno-avx512f"))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(_kernel.CACHE_ENV, str(tmp_path_factory.mktemp("portable")))
-        lib = library.load(required=True)
-        assert lib is not None and library.path is not None
-        yield _kernel.Kernel(lib, Path(library.path))
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
