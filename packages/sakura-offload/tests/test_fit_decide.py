@@ -122,7 +122,7 @@ def test_host_reserve_is_counted_in_every_plan_and_given_to_no_part() -> None:
     assert plan.host_bytes <= reserved.host and plan.host_bytes >= 8 * MB
     assert plan.block_tiers.count("host") == 2  # 40 MiB of blocks still fit beside 8 reserved
     moments = Budgets(device=None, host=8 * MB, host_reserve=1)
-    host_plan = [p for p in candidates(SIZES, moments) if p.optimizer == "host"][0]
+    host_plan = next(p for p in candidates(SIZES, moments) if p.optimizer == "host")
     assert host_plan.moment_dtype == "bfloat16"  # 8 MiB of fp32 moments no longer fit
     tight = Budgets(device=66 * MB, host=40 * MB, disk=10**12, host_reserve=8 * MB)
     plan = decide(SIZES, tight)
