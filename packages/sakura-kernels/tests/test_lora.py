@@ -82,7 +82,8 @@ def pair(dtype: torch.dtype = torch.float32, **config: Any) -> tuple[Any, Any]:
     ref = lora(tiny_llama(dtype), **config)
     fused = copy.deepcopy(ref)
     report = fuse_lora(fused)
-    assert len(report.fused) == N_LAYERS and not report.skipped, report
+    targets = config.get("target_modules", PROJECTIONS)
+    assert len(report.fused) == 2 * len(targets) and not report.skipped, report
     return ref, fused
 
 
@@ -533,3 +534,48 @@ def test_model_without_lora_layers() -> None:
     report = fuse_lora(tiny_llama())
     assert report.fused == [] and report.skipped == []
     assert "0 layers fused" in str(report)
+
+
+def test_fp32_outputs_leave_a_bf16_model_without_autocast_16_bit() -> None:
+    """Without autocast a bf16 model's next layers take bf16 only: fp32 outputs there would
+    break the next projection (``nn.Linear`` refuses an fp32 input for a bf16 weight)."""
+    ref, fused = pair(torch.bfloat16, target_modules=["q_proj", "v_proj", "down_proj"])
+    fuse_lora(fused, fp32_outputs=True)
+    ids = batch()
+    with torch.no_grad():
+        got = fused(input_ids=ids).logits
+        want = ref(input_ids=ids).logits
+    assert got.dtype == torch.bfloat16
+    assert rel(got.float(), want.float()) <= BF16_VS_PEFT
+
+
+def test_fp32_outputs_under_autocast_with_some_projections_adapted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """LoRA on q/v/down only (PEFT's usual choice): in eval under autocast, q and v come out
+    fp32 while k stays bf16; attention (eager, SDPA and sakura's) and the next layers take
+    the mix, and the logits are closer to the fp32 model's than with 16-bit outputs."""
+    from sakura_kernels.blocks import attention as fused_attention
+    from sakura_kernels.blocks.attention import ATTENTION_NAME, register_attention
+
+    register_attention()
+    calls = []
+    original = fused_attention.FusedAttention.apply
+    monkeypatch.setattr(
+        fused_attention.FusedAttention, "apply", lambda *a: calls.append(1) or original(*a)
+    )
+    ref, fused = pair(target_modules=["q_proj", "v_proj", "down_proj"])
+    ids = batch()
+    with torch.no_grad():
+        exact = ref(input_ids=ids).logits.double()
+    fused.eval()
+    for attention in ("eager", "sdpa", ATTENTION_NAME):
+        fused.base_model.model.set_attn_implementation(attention)
+        errors = []
+        for wide in (False, "eval"):
+            fuse_lora(fused, fp32_outputs=wide)
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = fused(input_ids=ids).logits
+            errors.append(rel(logits.double(), exact))
+        assert errors[1] < errors[0], (attention, errors)
+    assert len(calls) == 2 * 2  # both layers, both settings: the mix stays on the fused path

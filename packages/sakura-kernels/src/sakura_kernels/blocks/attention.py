@@ -20,7 +20,9 @@ Anything this function does not handle (a GPU, fp16, dropout, logit
 soft-capping, attention sinks, a sliding window shorter than the keys, no C++ kernels) goes to transformers' SDPA attention instead.
 
 Under CPU autocast the two matmuls run in the autocast dtype, as they would in eager
-attention: fp32 query, key and value are cast once and autocast is off inside.  The C++
+attention: fp32 query, key and value (or a mix of fp32 and bf16, as fused LoRA's
+``fp32_outputs`` gives when only some projections are adapted) are cast once and autocast is
+off inside.  The C++
 kernel works in place on a buffer whose element type and extent it cannot see, so every
 call first checks that the buffer's dtype, contiguity and shape are the ones the call
 describes (:func:`_check_scores`); a mismatch raises instead of reaching native code.
@@ -180,8 +182,9 @@ def sakura_attention_forward(
     b, heads, q_len, d = query.shape
     kvh, k_len = key.shape[1], key.shape[2]
     dtype = query.dtype
-    if query.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
-        dtype = torch.get_autocast_dtype("cpu")  # eager attention's matmuls would run in it
+    autocast = query.device.type == "cpu" and torch.is_autocast_enabled("cpu")
+    if autocast:  # eager attention's matmuls would run in it, whatever the inputs' dtypes
+        dtype = torch.get_autocast_dtype("cpu")
     window = kwargs.get("sliding_window")
     unusual = any(kwargs.get(name) is not None for name in ("softcap", "s_aux")) or (
         window is not None and window < k_len  # a window that reaches past every key is none
@@ -189,7 +192,8 @@ def sakura_attention_forward(
     suitable = (
         query.device.type == "cpu"
         and dtype in _CODES
-        and key.dtype == query.dtype == value.dtype
+        and (autocast or key.dtype == query.dtype == value.dtype)
+        and all(t.dtype in _CODES for t in (query, key, value))
         and key.dim() == value.dim() == 4
         and key.shape[0] == value.shape[0] == b
         and value.shape[1:3] == key.shape[1:3]

@@ -33,6 +33,8 @@ __all__ = ["FP32_OUTPUTS", "FuseReport", "FusedForward", "fuse_lora", "is_fused"
 FP32_OUTPUTS = (False, True, "eval")
 """The values :func:`fuse_lora`'s ``fp32_outputs`` accepts."""
 
+_HALF = (torch.bfloat16, torch.float16)
+
 
 @dataclass
 class FuseReport:
@@ -134,7 +136,7 @@ class FusedForward:
             result = stock(layer, x)
             return result
         wide = self.fp32_outputs is True or (self.fp32_outputs == "eval" and not layer.training)
-        if wide and dtypes[1] in (torch.bfloat16, torch.float16):
+        if wide and dtypes[1] in _HALF and torch.is_autocast_enabled(x.device.type):
             dtypes = (dtypes[0], torch.float32)
         return fused_lora_linear(
             x,
@@ -165,8 +167,9 @@ def fuse_lora(
     forward and backward: what quantizing saved, given back for a faster backward).  Default
     False.  Plain ``nn.Linear`` bases are not affected.
 
-    ``fp32_outputs``: where the layer would return bf16 or fp16 (a half-precision model, or
-    autocast), return fp32 instead: the base product still runs in its dtype, the adapter
+    ``fp32_outputs``: under autocast, where the layer would return bf16 or fp16, return fp32
+    instead (without autocast a half-precision model's next layers expect half-precision
+    inputs, so its outputs are left as they are): the base product still runs in its dtype, the adapter
     product is computed and added in fp32, and nothing is rounded to 16 bits afterwards, so
     what follows the layer (the residual stream, the next norm) sees the fine-tune's small
     adapter contribution whole.  On SmolLM2 after a QLoRA fine-tune this takes a bf16
