@@ -136,3 +136,39 @@ def test_auto_host_reserve_is_an_eighth_of_an_explicit_budget_at_most_a_gib() ->
     assert fit_options(host_budget=64 * 2**30)["host_reserve"] == 2**30
     assert fit_options()["host_reserve"] == 0  # the default budget keeps the RAM floor free
     assert fit_options(host_budget=48 * MB, host_reserve="1MiB")["host_reserve"] == MB
+
+
+@pytest.mark.parametrize("parts", [8 * MB, 40 * MB + 3, 7 * 2**30, 9 * 2**30])
+def test_the_smallest_host_budget_named_leaves_the_parts_room_beside_its_own_reserve(
+    parts: int,
+) -> None:
+    """With ``host_reserve="auto"`` a larger budget reserves more: the named minimum is the
+    smallest budget whose reserve still leaves the parts' bytes (naming the plan's bytes
+    would fall short by the reserve's growth)."""
+    from sakura_offload.fit.decide import auto_host_reserve, smallest_host_budget
+
+    given = 4 * MB
+    budgets = Budgets(device=None, host=given, host_reserve=auto_host_reserve(given),
+                      host_reserve_auto=True)  # fmt: skip
+    named = smallest_host_budget(parts + budgets.host_reserve, budgets)
+    assert named - auto_host_reserve(named) >= parts
+    assert (named - 1) - auto_host_reserve(named - 1) < parts
+    fixed = Budgets(device=None, host=given, host_reserve=MB)
+    assert smallest_host_budget(parts + MB, fixed) == parts + MB
+
+
+def test_a_fit_error_names_a_host_budget_that_then_fits() -> None:
+    from sakura_offload.fit.decide import auto_host_reserve
+
+    def budgets(host: int) -> Budgets:
+        return Budgets(device=66 * MB, host=host, disk=None,
+                       host_reserve=auto_host_reserve(host), host_reserve_auto=True)  # fmt: skip
+
+    with pytest.raises(FitError) as info:
+        decide(SIZES, budgets(40 * MB))
+    named = info.value.host_minimum
+    assert named is not None and named > 40 * MB
+    plan = decide(SIZES, budgets(named))
+    assert plan.host_bytes <= named
+    with pytest.raises(FitError):
+        decide(SIZES, budgets(named - 1))

@@ -36,7 +36,16 @@ from sakura_offload.fit.choices import FitOption
 from sakura_offload.host_optimizer.placement import choose_moment_dtype, moment_bytes
 from sakura_offload.planner.plan import MemoryBudgetError
 
-__all__ = ["Budgets", "FitError", "FitPlan", "ModelSizes", "candidates", "decide"]
+__all__ = [
+    "Budgets",
+    "FitError",
+    "FitPlan",
+    "ModelSizes",
+    "auto_host_reserve",
+    "candidates",
+    "decide",
+    "smallest_host_budget",
+]
 
 OPTIMIZER_PLACES = ("device", "host")
 WEIGHT_PLACES = ("resident", "host", "disk")
@@ -112,6 +121,17 @@ class ModelSizes:
         return dataclasses.replace(self, block_frozen=tuple(frozen), outside_frozen_bytes=outside)
 
 
+HOST_RESERVE_SHARE = 8
+"""``host_reserve="auto"`` keeps 1/8 of an explicit ``host_budget`` free ..."""
+HOST_RESERVE_CAP = 2**30
+"""... and at most 1 GiB of it."""
+
+
+def auto_host_reserve(host_budget: int) -> int:
+    """``host_reserve="auto"`` for an explicit ``host_budget``."""
+    return min(host_budget // HOST_RESERVE_SHARE, HOST_RESERVE_CAP)
+
+
 @dataclass(frozen=True)
 class Budgets:
     """``device``: device bytes (None: no limit); ``host``: host RAM for the optimizer and
@@ -128,6 +148,9 @@ class Budgets:
     prefetch: int = 1
     moment_dtype: str = "auto"
     host_reserve: int = 0
+    host_reserve_auto: bool = False
+    """Whether ``host_reserve`` is :func:`auto_host_reserve` of ``host`` (then a larger
+    budget brings a larger reserve: :func:`smallest_host_budget` accounts for it)."""
 
 
 @dataclass(frozen=True)
@@ -313,7 +336,10 @@ def _no_fit(tried: Sequence[FitPlan], budgets: Budgets) -> FitError:
     small = min(tried, key=lambda p: (p.device_bytes, p.host_bytes))
     disk_hint = "" if budgets.disk is not None else " (or give disk_offload=DIR)"
     if device is not None and device < small.device_bytes:
-        host_min = small.host_bytes if small.host_bytes > budgets.host else None
+        host_min = (
+            smallest_host_budget(small.host_bytes, budgets)
+            if small.host_bytes > budgets.host else None
+        )  # fmt: skip
         return FitError(
             f"fit: no plan fits device_budget={_gib(device)}; the smallest plan "
             f"({_describe(small)}) needs device_budget >= {_gib(small.device_bytes)}"
@@ -325,14 +351,32 @@ def _no_fit(tried: Sequence[FitPlan], budgets: Budgets) -> FitError:
         )
     held = [p for p in tried if device is None or p.device_bytes <= device]
     best = min(held, key=lambda p: (p.host_bytes, p.device_bytes))
+    host_min = smallest_host_budget(best.host_bytes, budgets)
     return FitError(
         f"fit: no plan fits host_budget={_gib(budgets.host)}"
         + ("" if budgets.disk is None else f" and a disk tier of {_gib(budgets.disk)}")
         + f"; the smallest plan the device budget holds ({_describe(best)}) needs "
-        f"host_budget >= {_gib(best.host_bytes)}"
+        f"host_budget >= {_gib(host_min)}"
         + (f" and {_gib(best.disk_bytes)} on disk" if best.disk_bytes else "")
         + disk_hint,
         budget=device or 0,
         minimum=best.device_bytes,
-        host_minimum=best.host_bytes,
+        host_minimum=host_min,
     )
+
+
+def smallest_host_budget(host_bytes: int, budgets: Budgets) -> int:
+    """The smallest ``host_budget`` a plan of ``host_bytes`` (its parts plus
+    ``budgets.host_reserve``) fits: with an automatic reserve, a larger budget reserves
+    more, so the parts' bytes are what must fit beside :func:`auto_host_reserve` of it."""
+    if not budgets.host_reserve_auto:
+        return host_bytes
+    parts = host_bytes - budgets.host_reserve
+    if parts > (HOST_RESERVE_SHARE - 1) * HOST_RESERVE_CAP:
+        return parts + HOST_RESERVE_CAP
+    budget = parts * HOST_RESERVE_SHARE // (HOST_RESERVE_SHARE - 1)
+    while budget - auto_host_reserve(budget) < parts:
+        budget += 1
+    while budget > 0 and budget - 1 - auto_host_reserve(budget - 1) >= parts:
+        budget -= 1
+    return budget

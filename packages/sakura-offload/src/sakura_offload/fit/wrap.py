@@ -24,7 +24,14 @@ from torch import nn
 
 from sakura.options import check_bool, check_choice, check_int, option_error
 from sakura_offload.fit.choices import FitChoice, FitOption, fit_choices
-from sakura_offload.fit.decide import Budgets, FitError, FitPlan, ModelSizes, decide
+from sakura_offload.fit.decide import (
+    Budgets,
+    FitError,
+    FitPlan,
+    ModelSizes,
+    auto_host_reserve,
+    decide,
+)
 from sakura_offload.fit.heap import HeapTrim, trim_heap
 from sakura_offload.fit.report import plan_table
 from sakura_offload.host_optimizer.options import check_moment_dtype
@@ -124,6 +131,7 @@ def fit_options(
                                      owner=owner),
         "host_budget": host,
         "host_reserve": reserve,
+        "host_reserve_auto": host_reserve == "auto" and host is not None,
         "disk_offload": None if disk_offload is None else Path(disk_offload),
         "blocks": validate_selector(blocks, owner=owner),
         "choices": names,
@@ -141,12 +149,6 @@ def fit_options(
     }  # fmt: skip
 
 
-HOST_RESERVE_SHARE = 8
-"""``host_reserve="auto"`` keeps 1/8 of an explicit ``host_budget`` free ..."""
-HOST_RESERVE_CAP = 2**30
-"""... and at most 1 GiB of it."""
-
-
 def _host_reserve(value: Any, host_budget: int | None, owner: str) -> int:
     """``host_reserve`` in bytes: host RAM within ``host_budget`` that no part is given.
     What the parts hold is counted to the byte, but a process holds more: the C
@@ -159,7 +161,7 @@ def _host_reserve(value: Any, host_budget: int | None, owner: str) -> int:
     if value == "auto":
         if host_budget is None:
             return 0
-        return min(host_budget // HOST_RESERVE_SHARE, HOST_RESERVE_CAP)
+        return auto_host_reserve(host_budget)
     reserve = int(parse_bytes("host_reserve", value, owner=owner) or 0)
     if host_budget is not None and reserve >= host_budget:
         raise option_error(
@@ -287,6 +289,7 @@ def plan_fit(
         prefetch=options["prefetch"],
         moment_dtype=options["moment_dtype"],
         host_reserve=options["host_reserve"],
+        host_reserve_auto=options["host_reserve_auto"],
     )
     names = options["choices"]
     choices = fit_choices(names) if names != () else {}
