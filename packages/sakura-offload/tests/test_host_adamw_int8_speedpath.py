@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _host_adamw_hyper import adamw_hyper
 
 from sakura_offload.host_optimizer import kernel as _kernel
 from sakura_offload.host_optimizer import moments as fmt
-from sakura_offload.host_optimizer.backends import Hyper, KernelBackend, Update
+from sakura_offload.host_optimizer.backends import KernelBackend, Update
 
 BLOCK = 256
 ITEM_BLOCKS = 64  # int8 blocks per work item (16384 values)
@@ -51,21 +52,6 @@ def _grad(n: int, step: int) -> torch.Tensor:
     return grad
 
 
-def _hyper(step: int) -> Hyper:
-    lr, beta1, beta2 = 1e-2, 0.9, 0.99
-    return Hyper(
-        decay=1 - lr * 0.05,
-        w1=1 - beta1,
-        beta2=beta2,
-        c2=1 - beta2,
-        eps=1e-8,
-        neg_step=-lr / (1 - beta1**step),
-        bc2_sqrt=(1 - beta2**step) ** 0.5,
-        grad_scale=1.0,
-        key=fmt.stream_key(0, step, 2),
-    )
-
-
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32) if t.dtype == torch.float32 else t
 
@@ -101,7 +87,7 @@ def test_int8_block_pipeline_equals_the_portable_build_bit_for_bit(
             grad = _grad(n, step)
             for kernel, state in zip((vector, portable), states, strict=True):
                 update = Update(
-                    state["p"], grad, state["m"], state["v"], _hyper(step),
+                    state["p"], grad, state["m"], state["v"], adamw_hyper(step, 2),
                     state["m_absmax"], state["v_absmax"],
                 )  # fmt: skip
                 KernelBackend(kernel).batch("int8", [update])

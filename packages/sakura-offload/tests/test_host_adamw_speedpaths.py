@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _host_adamw_hyper import adamw_hyper
 from _offload_models import batches, loss_of, mlp
 
 from sakura_offload import OffloadAdamW
@@ -64,21 +65,6 @@ def _state(n: int, moment_dtype: str, seed: int) -> dict[str, torch.Tensor]:
     return {"p": p, "m": codes, "v": s_codes, "m_absmax": absmax, "v_absmax": s_absmax}
 
 
-def _hyper(step: int, index: int, grad_scale: float) -> Hyper:
-    lr, beta1, beta2 = 1e-2, 0.9, 0.99
-    return Hyper(
-        decay=1 - lr * 0.05,
-        w1=1 - beta1,
-        beta2=beta2,
-        c2=1 - beta2,
-        eps=1e-8,
-        neg_step=-lr / (1 - beta1**step),
-        bc2_sqrt=(1 - beta2**step) ** 0.5,
-        grad_scale=grad_scale,
-        key=fmt.stream_key(0, step, index),
-    )
-
-
 def _update(state: dict[str, torch.Tensor], grad: torch.Tensor, h: Hyper) -> Update:
     return Update(
         state["p"], grad, state["m"], state["v"], h, state.get("m_absmax"), state.get("v_absmax")
@@ -104,7 +90,7 @@ def test_avx512_loops_equal_the_portable_build_bit_for_bit(
         grad = _grads(n, step, extreme=extreme)
         for kernel, state in zip((vector, portable), states, strict=True):
             KernelBackend(kernel).batch(
-                moment_dtype, [_update(state, grad, _hyper(step, 3, grad_scale))]
+                moment_dtype, [_update(state, grad, adamw_hyper(step, 3, grad_scale))]
             )
         _assert_same(states[0], states[1])
     assert states[0]["p"].isfinite().sum() >= n - 3  # the update ran, non-finite stayed local
@@ -124,7 +110,7 @@ def test_one_batched_call_equals_one_call_per_tensor(
     try:
         for step in range(1, 3):
             grads = [_grads(n, 10 * step + i, extreme=False) for i, n in enumerate(sizes)]
-            hypers = [_hyper(step, i, 1.0 if i % 2 else 0.5) for i in range(len(sizes))]
+            hypers = [adamw_hyper(step, i, 1.0 if i % 2 else 0.5) for i in range(len(sizes))]
             args = zip(batched, grads, hypers, strict=True)
             backend.batch(moment_dtype, [_update(s, g, h) for s, g, h in args])
             args = zip(single, grads, hypers, strict=True)
@@ -149,7 +135,7 @@ def test_batched_results_do_not_depend_on_the_thread_count(
             states = [_state(n, moment_dtype, i) for i, n in enumerate(sizes)]
             grads = [_grads(n, 20 + i, extreme=True) for i, n in enumerate(sizes)]
             updates = [
-                _update(s, g, _hyper(1, i, 0.8))
+                _update(s, g, adamw_hyper(1, i, 0.8))
                 for i, (s, g) in enumerate(zip(states, grads, strict=True))
             ]
             KernelBackend(vector).batch(moment_dtype, updates)

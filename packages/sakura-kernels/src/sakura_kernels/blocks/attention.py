@@ -22,10 +22,10 @@ soft-capping, attention sinks, a sliding window shorter than the keys, no C++ ke
 Under CPU autocast the two matmuls run in the autocast dtype, as they would in eager
 attention: fp32 query, key and value (or a mix of fp32 and bf16, as fused LoRA's
 ``fp32_outputs`` gives when only some projections are adapted) are cast once and autocast is
-off inside.  The C++
-kernel works in place on a buffer whose element type and extent it cannot see, so every
-call first checks that the buffer's dtype, contiguity and shape are the ones the call
-describes (:func:`_check_scores`); a mismatch raises instead of reaching native code.
+off inside.  The C++ kernel works in place on a buffer whose element type and extent it
+cannot see, so every call first checks that the buffer's dtype, contiguity and shape are the
+ones the call describes (:func:`_check_scores`); a mismatch raises instead of reaching
+native code.
 """
 
 from __future__ import annotations
