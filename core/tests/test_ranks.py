@@ -14,7 +14,8 @@ WORKER = """
 import json, os, sys, time
 rank, world, init_file, out_dir, mode = sys.argv[1:6]
 env = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GLOO_SOCKET_IFNAME",
-                                  "OMP_NUM_THREADS", "PYTHONUNBUFFERED", "EXTRA")}
+                                  "OMP_NUM_THREADS", "PYTHONUNBUFFERED", "PYTHONFAULTHANDLER",
+                                  "EXTRA")}
 print(f"hello from rank {rank}")  # not flushed by hand: the launcher runs ranks unbuffered
 if mode == "fail" and rank == "0":
     open(os.path.join(out_dir, "rank0-said-hello"), "w").close()
@@ -52,6 +53,7 @@ def test_ranks_get_torchrun_environment_and_arguments(worker: Path, tmp_path: Pa
             "GLOO_SOCKET_IFNAME": "lo",
             "OMP_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",
+            "PYTHONFAULTHANDLER": "1",
             "EXTRA": "x",
         }
         assert (out / f"rank{rank}.log").read_text().strip() == f"hello from rank {rank}"
@@ -67,6 +69,77 @@ def test_a_failing_rank_stops_the_others_at_once(worker: Path, tmp_path: Path) -
     assert "rank 1 gives up" in message and "hello from rank 0" in message
     assert "--- rank 0 (signal 9) ---" in message
     assert isinstance(info.value, AssertionError)
+
+
+ENDINGS = """
+import atexit, os, sys, threading, time
+rank, world, init_file, out_dir, mode = sys.argv[1:6]
+here = os.path.dirname(os.path.abspath(__file__))
+with open(os.path.join(out_dir, f"where{rank}.txt"), "w") as f:
+    f.write(f"{__name__} {sys.path[0] == here} {sys.argv[0] == __file__}")
+if mode == "threads":
+    def late(name, delay):
+        time.sleep(delay)
+        open(os.path.join(out_dir, f"{name}{rank}"), "w").close()
+    threading.Thread(target=late, args=("thread", 0.3)).start()  # joined, as at a normal exit
+    atexit.register(lambda: open(os.path.join(out_dir, f"atexit{rank}"), "w").close())
+if mode == "exit3":
+    sys.exit(3)
+if mode == "raise":
+    raise RuntimeError("rank gives up with a traceback")
+if mode == "native":
+    # A daemon thread inside a torch op (the GIL released) when the script returns, as
+    # torch's gloo threads can be after destroy_process_group: a normally exiting
+    # interpreter aborts when the op ends and the thread takes the GIL back during
+    # finalization ("terminate called without an active exception", SIGABRT).
+    import torch
+    a = torch.randn(1200, 1200)
+    def spin():
+        while True:
+            a @ a
+    threading.Thread(target=spin, daemon=True).start()
+    time.sleep(0.2)
+    open(os.path.join(out_dir, f"done{rank}"), "w").close()
+"""
+
+
+@pytest.fixture
+def endings(tmp_path: Path) -> Path:
+    path = tmp_path / "endings.py"
+    path.write_text(ENDINGS)
+    return path
+
+
+def test_a_rank_runs_as_its_script_and_ends_as_a_normal_exit(endings: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    launch_ranks(endings, 2, out, "threads")
+    for rank in range(2):
+        # __main__, the script's folder first on sys.path and argv[0]: as `python SCRIPT`
+        assert (out / f"where{rank}.txt").read_text() == "__main__ True True"
+        assert (out / f"thread{rank}").exists()  # a non-daemon thread was joined
+        assert (out / f"atexit{rank}").exists()  # atexit handlers ran
+
+
+def test_a_rank_with_native_threads_at_exit_ends_cleanly(endings: Path, tmp_path: Path) -> None:
+    # Failed before the ranks skipped finalization: the rank aborted with signal 6 after
+    # finishing its work (seen in CI on gloo ranks whose process group outlived the script).
+    pytest.importorskip("torch")
+    out = tmp_path / "out"
+    launch_ranks(endings, 2, out, "native", timeout=60)
+    assert all((out / f"done{rank}").exists() for rank in range(2))
+
+
+@pytest.mark.parametrize(
+    ("mode", "status", "said"),
+    [("exit3", "exited with 3", None), ("raise", "exited with 1", "rank gives up with a")],
+)
+def test_a_rank_exit_status_is_its_scripts(
+    endings: Path, tmp_path: Path, mode: str, status: str, said: str | None
+) -> None:
+    with pytest.raises(RanksFailedError, match=status) as info:
+        launch_ranks(endings, 1, tmp_path / "out", mode)
+    if said is not None:
+        assert "Traceback" in str(info.value) and said in str(info.value)
 
 
 def test_a_hanging_rank_times_out(worker: Path, tmp_path: Path) -> None:

@@ -1,11 +1,11 @@
 """Run N ranks of a worker script as separate processes, the way ``torchrun`` does, for
 tests of distributed services on real process groups (gloo on a CPU).
 
-Each rank runs ``python SCRIPT RANK WORLD_SIZE INIT_FILE OUT_DIR *ARGS`` with ``RANK``,
-``LOCAL_RANK`` and ``WORLD_SIZE`` set, ``GLOO_SOCKET_IFNAME=lo`` (gloo talks over the
-loopback interface only), one OpenMP thread and unbuffered output (``PYTHONUNBUFFERED=1``:
-a rank killed because another failed still shows what it printed).  The worker joins the group with a file
-rendezvous, which needs no free port::
+Each rank runs ``python SCRIPT RANK WORLD_SIZE INIT_FILE OUT_DIR *ARGS`` (see below) with
+``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE`` set, ``GLOO_SOCKET_IFNAME=lo`` (gloo talks over
+the loopback interface only), one OpenMP thread and unbuffered output
+(``PYTHONUNBUFFERED=1``: a rank killed because another failed still shows what it printed).
+The worker joins the group with a file rendezvous, which needs no free port::
 
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
@@ -14,6 +14,13 @@ rendezvous, which needs no free port::
 and writes what the test checks into ``OUT_DIR``.  A rank that fails or hangs fails the
 launch with every rank's output; the others are stopped at once rather than left waiting
 in a collective until the timeout.
+
+The script runs as ``__main__`` through ``sakura.testing._rank_entry``: when it returns, the
+rank joins its threads, runs its ``atexit`` handlers and leaves with ``os._exit``, without
+the interpreter's finalization, during which torch's gloo threads (alive after
+``destroy_process_group()`` while a DDP module or FSDP mesh still refers to the group) could
+abort a rank that had finished.  A rank killed by a signal prints every thread's Python stack
+(``PYTHONFAULTHANDLER=1``).
 """
 
 from __future__ import annotations
@@ -61,6 +68,9 @@ def launch_ranks(
         "GLOO_SOCKET_IFNAME": "lo",
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
+        # A rank killed by a signal (an abort in native code) prints every thread's Python
+        # stack into its log, so that a failure seen once in CI can be diagnosed.
+        "PYTHONFAULTHANDLER": "1",
         **(env or {}),
     }
     logs = [out / f"rank{rank}.log" for rank in range(world_size)]
@@ -72,6 +82,8 @@ def launch_ranks(
                     subprocess.Popen(
                         [
                             sys.executable,
+                            "-m",
+                            "sakura.testing._rank_entry",
                             os.fspath(script),
                             str(rank),
                             str(world_size),
