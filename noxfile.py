@@ -597,7 +597,7 @@ adapters fp32 (the ``smollm2-qlora`` workload's ``bf16-model`` variant)."""
 FASTEST_FINETUNE_SERVICES = (
     "quant:nf4,matmul_dtype=bf16",
     "mixed_precision:bf16-mixed",
-    "kernels:true,fused_lora=true,attention=true,keep_expanded=true",
+    "kernels:true,fused_lora=true,attention=true,keep_expanded=true,reuse_heap=true",
     "chunked_loss",
     "offload_adamw",
 )

@@ -32,6 +32,11 @@ missing one is left out with a note): ``kernels`` (``sakura_kernels.patch_model`
 RMSNorm / rotary / SwiGLU), ``fuse`` (``sakura_kernels.fuse_lora``), ``keep`` (with ``fuse``: ``keep_expanded=True``,
 the forward's NF4 expansion kept for backward), ``chunked`` (the loss
 from the hidden states a chunk at a time, ``sakura_kernels.chunked_causal_lm_loss``).
+``heap`` (either side): the variant's process has glibc keep freed memory for reuse
+(``sakura_torch.heap.reuse_freed_memory``, what the ``kernels`` service's ``reuse_heap=True``
+does; for the rival it is the same process setting as
+``GLIBC_TUNABLES=glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=...``),
+so its large tensors stop paying page faults every step.
 
 Each variant runs in a fresh process (its peak RSS, ``VmHWM``, is its own); the parent sends
 ``step`` to each in turn, the order rotated every trial (``sakura_bench.measure.interleaved``).
@@ -45,8 +50,8 @@ Run: ``python benchmarks/qlora_step.py`` (the 7 default variants, 5 trials, 2 x 
 1 thread: about 10 minutes on a shared 2-core machine at load 6-8, loading the variants one
 after the other is a third of it; each variant holds 1-2 GiB); ``--variants`` to choose,
 ``--profile``, ``--json``.  Earlier runs also measured ``bnb:autocast,attn=eager`` (storage
-uint8), ``sakura:autocast,attn=eager`` with and without ``chunked`` / ``fuse``: each piece's
-share of the step; pass them through ``--variants``.
+uint8), ``sakura:autocast,attn=eager`` with and without ``chunked`` / ``fuse`` / ``keep``:
+each piece's share of the step; pass them through ``--variants``.
 """
 
 from __future__ import annotations
@@ -64,7 +69,7 @@ from typing import Any
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SIDES = ("bnb", "sakura", "gemm")
-FLAGS = ("autocast", "gc", "kernels", "fuse", "keep")
+FLAGS = ("autocast", "gc", "kernels", "fuse", "keep", "heap")
 VALUED = {
     "attn": ("sdpa", "eager", "sakura"),
     "storage": ("uint8", "bf16"),
@@ -75,12 +80,12 @@ DEFAULT_VARIANTS = (
     "gemm",
     "bnb",
     "bnb:autocast,attn=eager,storage=bf16",
-    "bnb:autocast,attn=sdpa,storage=bf16",
-    "sakura:autocast,attn=eager,kernels,fuse,chunked",
-    "sakura:autocast,attn=sakura,kernels,fuse,chunked",
+    "bnb:autocast,attn=eager,storage=bf16,heap",
+    "bnb:autocast,attn=sdpa,storage=bf16,heap",
     "sakura:autocast,attn=sakura,kernels,fuse,keep,chunked",
+    "sakura:autocast,attn=sakura,kernels,fuse,keep,chunked,heap",
 )
-FASTEST = "sakura:autocast,attn=sakura,kernels,fuse,keep,chunked"
+FASTEST = "sakura:autocast,attn=sakura,kernels,fuse,keep,chunked,heap"
 """The configuration sakura ships as its fastest (docs/kernels.md, ``nox -s demo-finetune``);
 ``quant_quality.py``'s ``nf4-fast`` runs the same pieces."""
 """Each variant holds about 1-2 GiB while the others run: add ``gc``, ``weights=fp32`` or
@@ -288,7 +293,13 @@ def child(spec: str, folder: str, ids_path: str, threads: int, config_json: str)
     import torch
 
     torch.set_num_threads(threads)
-    side, _ = parse_variant(spec)
+    side, options = parse_variant(spec)
+    if options["heap"]:
+        from sakura_torch.heap import reuse_freed_memory
+
+        applied, detail = reuse_freed_memory()
+        if not applied:
+            raise SystemExit(f"variant {spec!r}: heap: {detail}")
     config = json.loads(config_json)
     if side == "gemm":
         step: Callable[[], Any] = _gemm_step(

@@ -6,6 +6,10 @@ weights against the unpatched model's."""
 from __future__ import annotations
 
 import copy
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -51,6 +55,8 @@ def test_options_are_validated() -> None:
     with pytest.raises(ValueError, match=r"fp32_outputs='always'.*False, True, 'eval'"):
         Kernels(fp32_outputs="always")
     assert Kernels().fp32_outputs == "eval" and Kernels(fp32_outputs=True).fp32_outputs is True
+    with pytest.raises(ValueError, match=r"reuse_heap='yes'"):
+        Kernels(reuse_heap="yes")
     with SakuraRuntime() as rt, pytest.raises(Exception, match="kernels='yes'"):
         rt.install("kernels:yes")
     with pytest.raises(ValueError, match="model"):
@@ -192,3 +198,33 @@ def test_lightning_with_kernels_matches_the_unpatched_model(
     ref_params = dict(ref.model.named_parameters())
     for name, param in got.model.named_parameters():
         assert torch.allclose(param, ref_params[name], rtol=0, atol=1e-5), name
+
+
+REUSE_HEAP = """
+import json, torch
+from sakura import SakuraRuntime
+model = torch.nn.Linear(4, 4)
+with SakuraRuntime(strict=True) as rt:
+    service = rt.install("kernels:auto,reuse_heap=true")
+    rt.prepare(model)
+    print(json.dumps({"heap": list(service.heap), "repr": repr(service)}))
+"""
+
+
+@pytest.mark.skipif(
+    not (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc"), reason="needs glibc"
+)
+def test_reuse_heap_is_asked_for_not_assumed(make_model: Callable[..., torch.nn.Module]) -> None:
+    # default: the process's allocator is left alone
+    with SakuraRuntime(strict=True) as rt:
+        service = rt.install("kernels")
+        rt.prepare(make_model("llama"))
+        assert service.reuse_heap is False and service.heap is None
+    # asked for (in its own interpreter: the setting is process-wide)
+    done = subprocess.run(
+        [sys.executable, "-c", REUSE_HEAP], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["heap"][0] is True and "keeps freed memory" in got["heap"][1]
+    assert "reuse_heap=True" in got["repr"]

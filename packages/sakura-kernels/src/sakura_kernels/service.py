@@ -2,7 +2,8 @@
 request, fused LoRA) into the model it is given.
 
 Spec: ``kernels``, ``kernels:true``, ``kernels:false``, ``kernels:auto,fused_lora=true``,
-``kernels:true,attention=false``, ``kernels:true,keep_expanded=true``.
+``kernels:true,attention=false``, ``kernels:true,keep_expanded=true``,
+``kernels:auto,reuse_heap=true``.
 
 * ``enabled`` (the positional option): ``"auto"`` (default), True or False.  ``"auto"``
   patches only when the frozen weights are quantized (a module shaped like sakura-quant's
@@ -26,6 +27,11 @@ Spec: ``kernels``, ``kernels:true``, ``kernels:false``, ``kernels:auto,fused_lor
   (:func:`~sakura_kernels.blocks.attention.register_attention`,
   ``set_attn_implementation("sakura")``; on a GPU or for cases it does not cover, that
   function hands over to SDPA); its previous attention comes back at teardown.
+* ``reuse_heap``: False (default) or True: glibc keeps the memory a step frees for the next
+  step to reuse (:func:`sakura_torch.heap.reuse_freed_memory`: a process-wide setting, not
+  undone at teardown, so it is asked for, not assumed).  On a CPU a step otherwise pays
+  page faults for most of its large tensors: 6-7 % of the QLoRA step of
+  ``benchmarks/qlora_step.py``.  What it did is kept on ``self.heap``.
 
 ``wrap_model`` patches in place (the same module object comes back) with
 :func:`~sakura_kernels.patch_model`; the reports are kept on ``self.reports`` /
@@ -34,6 +40,7 @@ Spec: ``kernels``, ``kernels:true``, ``kernels:false``, ``kernels:auto,fused_lor
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Any
 
@@ -42,9 +49,11 @@ from torch import nn
 from sakura.options import check_bool, check_choice, option_error
 from sakura.service import Service
 from sakura_kernels.lora.fuse import FP32_OUTPUTS
+from sakura_torch.heap import HeapReuse, reuse_freed_memory
 
 __all__ = ["Kernels", "is_quantized"]
 
+_LOG = logging.getLogger("sakura_kernels")
 _OWNER = "kernels"
 _CHOICES = ("auto", True, False)
 _QUANTIZED_CLASSES = ("QuantizedLinear", "Linear4bit", "Linear8bitLt")
@@ -79,6 +88,7 @@ class Kernels(Service):
         attention: Any = "auto",
         keep_expanded: Any = False,
         fp32_outputs: Any = "eval",
+        reuse_heap: Any = False,
     ) -> None:
         self.enabled: Any = check_choice("kernels", enabled, _CHOICES, owner=_OWNER)
         self.fused_lora: Any = check_choice("fused_lora", fused_lora, _CHOICES, owner=_OWNER)
@@ -87,6 +97,8 @@ class Kernels(Service):
         self.fp32_outputs: Any = check_choice(
             "fp32_outputs", fp32_outputs, FP32_OUTPUTS, owner=_OWNER
         )
+        self.reuse_heap = check_bool("reuse_heap", reuse_heap, owner=_OWNER)
+        self.heap: HeapReuse | None = None
         self._attention: list[tuple[weakref.ref[nn.Module], str]] = []
         self.reports: list[Any] = []
         self.lora_reports: list[Any] = []
@@ -97,13 +109,16 @@ class Kernels(Service):
         return (
             f"Kernels(enabled={self.enabled!r}, fused_lora={self.fused_lora!r}, "
             f"attention={self.attention!r}, keep_expanded={self.keep_expanded!r}, "
-            f"fp32_outputs={self.fp32_outputs!r})"
+            f"fp32_outputs={self.fp32_outputs!r}, reuse_heap={self.reuse_heap!r})"
         )
 
     def wrap_model(self, model: Any) -> Any:
         if not isinstance(model, nn.Module):
             raise option_error("model", type(model).__name__, "a torch.nn.Module", owner=_OWNER)
         quantized = is_quantized(model)
+        if self.reuse_heap and self.heap is None:
+            self.heap = reuse_freed_memory()
+            _LOG.info("kernels: %s", self.heap.detail)
         if self.enabled is True or (self.enabled == "auto" and quantized):
             from sakura_kernels.blocks.patch import patch_model
 

@@ -7,6 +7,8 @@
   one meaning of a service's ``blocks=`` option.
 * :mod:`sakura_torch.disk` — :class:`~sakura_torch.disk.TensorFileStore`, tensors in
   memory-mapped files under a private folder (the disk tier of frozen weights).
+* :mod:`sakura_torch.heap` — :func:`~sakura_torch.heap.reuse_freed_memory`, glibc told to
+  keep the memory a training step frees for the next one.
 
 The core (``sakura``) is the event bus and the plugin system and needs only pluggy; these
 helpers need torch, so they live in this distribution, which the packages using them
