@@ -27,6 +27,11 @@ accumulation).  The change is logged once (WARNING, logger ``sakura_offload.fit`
 in :attr:`FitState.replans <sakura_offload.fit.wrap.FitState>`; ``memory_report()`` and the
 plan's table show it.  When no plan fits the measured figures, :class:`FitError` names the
 smallest device budget that would.
+
+The host side (:mod:`.host_replan`): with ``host_reserve="auto"`` and an explicit
+``host_budget``, the first step run under the activation planner's plan measures the
+process's anonymous RSS against the plan's accounting, and the reserve's surplus goes to the
+activations' host paging (or its shortfall is taken from it), once.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import torch
 
 from sakura_offload.fit.choices import FitChoice, FitOption
 from sakura_offload.fit.decide import WEIGHT_PLACES, FitError, FitPlan, ModelSizes, candidates
+from sakura_offload.fit.host_replan import HostReserve
 
 if TYPE_CHECKING:
     from sakura_offload.fit.wrap import FitState
@@ -61,11 +67,13 @@ class Replan:
     step: int
     """Optimizer steps taken when it was measured (0: at the first forward)."""
     what: str
-    """``"activations"`` or ``"step peak"``."""
+    """``"activations"``, ``"step peak"`` or ``"host reserve"``."""
     measured: int
-    """Bytes measured: the activations' least peak, or the step's device peak."""
+    """Bytes measured: the activations' least peak, the step's device peak, or the host
+    memory no part accounts for (anonymous RSS over the plan's accounting)."""
     estimated: int
-    """Bytes the plan had for them: what it left the activations, or ``device_budget``."""
+    """Bytes the plan had for them: what it left the activations, ``device_budget``, or
+    ``host_reserve``."""
     before: str
     after: str
 
@@ -74,6 +82,18 @@ class Replan:
             seen = (
                 f"the activations need at least {self.measured} bytes (measured at the first "
                 f"forward), the plan left them {self.estimated}"
+            )
+        elif self.what == "host reserve":
+            from sakura_offload.fit.host_replan import reserve_needed
+
+            needed = reserve_needed(self.measured)
+            seen = (
+                f"host memory no part accounts for measured {self.measured} bytes in step "
+                f"{self.step} (anonymous RSS over the plan's accounting); with its margin "
+                f"it needs {needed} of host_reserve={self.estimated}, so "
+                + ("the rest goes" if needed < self.estimated else "the difference comes")
+                + (" to" if needed < self.estimated else " from")
+                + " the activations' host paging"
             )
         else:
             seen = (
@@ -119,6 +139,10 @@ class Replanner:
         self.pending: FitPlan | None = None
         self.handles: list[Any] = []
         self._measured = False
+        self.host: HostReserve | None = None
+        """The host side (:mod:`.host_replan`), when the reserve adapts."""
+        if self.enabled and HostReserve.applies(state):
+            self.host = HostReserve(model, state)
 
     # --- hooks -------------------------------------------------------------------------
 
@@ -136,10 +160,14 @@ class Replanner:
         for handle in self.handles:
             handle.remove()
         self.handles = []
+        if self.host is not None:
+            self.host.remove()
 
     def _before_forward(self, module: Any, args: Any) -> None:
         if self.pending is not None:
             self._switch(self.pending)
+        if self.host is not None and self._measured and self.pending is None:
+            self.host.before_forward()  # after the device side measured its step
 
     def _after_optimizer(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.after_step()
@@ -150,6 +178,8 @@ class Replanner:
         """An optimizer step happened: move pending weights; after the first step,
         measure its device peak and re-plan when it exceeds the budget."""
         self.steps += 1
+        if self.host is not None:
+            self.host.after_step(self.steps)
         if self.pending is not None:
             self._switch(self.pending)
             return

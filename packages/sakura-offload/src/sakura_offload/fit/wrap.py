@@ -60,7 +60,9 @@ class FitState:
     optimizer: Any
     budgets: Budgets
     replans: list[Any] = dataclasses.field(default_factory=list)
-    """Re-plans made after measuring the first step (:class:`~.replan.Replan`; at most one)."""
+    """Re-plans made after measuring the first steps (:class:`~.replan.Replan`): at most one
+    of the device side (``"activations"`` or ``"step peak"``) and one ``"host reserve"``
+    (:mod:`.host_replan`)."""
     replanner: Any = None
     bandwidths: dict[str, float] = dataclasses.field(default_factory=dict)
     """Probed one-way copy bandwidth (bytes/s) to the device of each tier weights stream
@@ -557,7 +559,9 @@ def wrap(model: nn.Module, optimizer: Any = None, **options: Any) -> tuple[nn.Mo
     on the host: use the one returned).  Options: ``device_budget`` (bytes or ``"2GiB"``;
     default: CUDA's free memory, none on a CPU), ``host_budget`` (default: available RAM
     less the floor), ``host_reserve`` (``"auto"``: 1/8 of an explicit ``host_budget``, at
-    most 1 GiB, kept free for what no part accounts for; or bytes), ``disk_offload`` (a directory: the disk tier for frozen weights and
+    most 1 GiB, kept free for what no part accounts for, then measured in the first planned
+    step and its surplus given to the activations' host paging, :mod:`.host_replan`; or
+    bytes, kept as given), ``disk_offload`` (a directory: the disk tier for frozen weights and
     activations), ``blocks``, ``choices`` (``"auto"``: every registered fit choice),
     ``moment_dtype`` (``"auto"``), ``activations`` (``"auto"``: a memory planner when a
     device budget is known; ``"plan"``; ``"keep"``), ``activation_reserve``, ``prefetch``,
