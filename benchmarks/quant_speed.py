@@ -121,22 +121,14 @@ def timed(fn: Callable[[], Any]) -> float:
 
 
 def heap_for_large_buffers() -> str:
-    """Have glibc serve large allocations from the heap (``mallopt``), so a 32 MiB output is
-    a reused buffer, not a fresh ``mmap`` whose first touch page-faults: otherwise that
-    fault cost (about 15 ms for 32 MiB here) dominates a dequantize and depends on which
-    library freed what just before.  Applies to every variant alike; returns what it did."""
-    import ctypes
-    import ctypes.util
+    """Have glibc serve large allocations from the heap and keep them
+    (``sakura_torch.heap.reuse_freed_memory``), so a 32 MiB output is a reused buffer, not a
+    fresh ``mmap`` whose first touch page-faults: otherwise that fault cost (about 15 ms for
+    32 MiB here) dominates a dequantize and depends on which library freed what just before.
+    Applies to every variant alike; returns what it did."""
+    from sakura_torch.heap import reuse_freed_memory
 
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return "not glibc: large buffers may be fresh mmaps"
-    libc = ctypes.CDLL(name)
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    if not hasattr(libc, "mallopt"):
-        return "no mallopt: large buffers may be fresh mmaps"
-    ok = libc.mallopt(m_mmap_threshold, 1 << 30) and libc.mallopt(m_trim_threshold, 1 << 31)
-    return "large buffers from the heap (mallopt)" if ok else "mallopt refused"
+    return reuse_freed_memory().detail
 
 
 def speed(args: argparse.Namespace) -> dict[str, Any]:

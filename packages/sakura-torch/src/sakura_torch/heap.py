@@ -30,8 +30,9 @@ from sakura.options import check_int
 __all__ = ["LARGEST", "HeapReuse", "reuse_freed_memory"]
 
 LARGEST = 32 << 20
-"""glibc's largest accepted ``M_MMAP_THRESHOLD`` on a 64-bit system (half its 64 MiB heap
-size): a larger value is refused by ``mallopt``."""
+"""The largest block served from the heap: glibc's own ceiling for the threshold it raises
+by itself (``DEFAULT_MMAP_THRESHOLD_MAX`` on a 64-bit system).  Larger blocks stay ``mmap``
+s; a 1 GiB threshold made no difference to the QLoRA step of ``benchmarks/qlora_step.py``."""
 
 _SMALLEST = 128 << 10
 _M_TRIM_THRESHOLD = -1
