@@ -1,21 +1,31 @@
 // Fused decoder-block kernels for the CPU (sakura_kernels.blocks): RMSNorm forward and
 // backward, rotary embedding forward and backward, SwiGLU / GeGLU (gelu tanh) forward and
-// backward; and the softmax cross-entropy of rows of logits (sakura_kernels.losses: the
-// log-sum-exp, the picked logit and the gradient written over the logits).  Plain C ABI, no torch headers (sakura_torch.native.NativeLibrary).
+// backward, the attention softmax and its backward; and the softmax cross-entropy of rows of
+// logits (sakura_kernels.losses: the log-sum-exp, the picked logit and the gradient written
+// over the logits).  Plain C ABI, no torch headers (sakura_torch.native.NativeLibrary).
+// Long file: one translation unit per library (NativeLibrary builds one source list), and
+// each kernel exists twice, generic and AVX-512.
 //
 // Every element is computed in fp32 and rounded once to its storage type (fp32 or bf16,
-// round to nearest even).  The loops are written for the compiler's vectoriser: the build
-// uses -march=native, so they run as AVX-512 where the CPU has it, AVX2 otherwise, scalar
-// elsewhere; bf16 rounding uses AVX-512-BF16's vcvtneps2bf16 where the CPU has it.
+// round to nearest even).  Two implementations of each block kernel:
+// * where the build targets AVX-512 F + BW + VL (SAKURA_AVX512; -march=native on such a CPU),
+//   the *_avx512 functions at the end: explicit 16-lane intrinsics that read and write the
+//   storage type directly, masked loads / stores for the tails (any size), double sums as
+//   fused multiply-adds of exact float products (the same value as multiply then add);
+// * elsewhere the generic loops, written for the compiler's vectoriser (AVX2 or scalar).
+// bf16 rounding uses AVX-512-BF16's vcvtneps2bf16 where the CPU has it (it reads fp32
+// subnormals as zero), else the integer round-to-nearest-even of f32_to_bf16.
 // The activations need exp: on AVX-512 a 16-lane exp of our own (exp_ps below, within 2 ulps
 // of expf); glibc's vector expf (libmvec) is only used by the compiler under -ffast-math,
 // which this build does not use, so a plain `omp simd` loop over std::exp stays scalar (it
-// made SwiGLU several times slower than torch's).  Elsewhere the scalar std::exp.
+// made SwiGLU several times slower than torch's).  Elsewhere the scalar std::exp.  On the
+// AVX-512 path silu's division is a refined reciprocal (recip_ps, about 1 ulp).
 // -ffp-contract=off keeps the compiler from fusing a*b+c: each product rounds as torch's.
 //
 // The RMSNorm weight gradient is summed in a fixed order: rows in fixed blocks of
-// RMS_BLOCK (each block in row order), then the blocks' partial sums in block order, in
-// double.  The same bits every run, whatever the thread count.
+// RMS_BLOCK (each block in row order, fp32), then the blocks' partial sums in block order,
+// in double.  The same bits every run, whatever the thread count, and the same bits from
+// both implementations given the same 1/rms.
 #include <cmath>
 #include <cstdint>
 #include <algorithm>
@@ -23,6 +33,13 @@
 #include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define SAKURA_AVX512 1
+// The entry points call the explicit AVX-512 code (fn_avx512) where the build targets it.
+#define SAKURA_PATH(fn) fn##_avx512
+#else
+#define SAKURA_PATH(fn) fn
 #endif
 
 namespace {
@@ -456,6 +473,337 @@ void attn_softmax_backward(const T* p, T* dp, int64_t rows, int64_t k, float sca
     }
 }
 
+#if defined(SAKURA_AVX512)
+// ---- AVX-512 (F + BW + VL) paths: 16 lanes, masked loads and stores for the tails, reading
+// and writing the storage type directly (no fp32 staging rows).  The same formulas and
+// roundings as the generic loops above; where they differ, the function says so.
+inline __mmask16 tail_mask(int64_t left) {
+    return left >= 16 ? static_cast<__mmask16>(0xFFFF)
+                      : static_cast<__mmask16>((1u << static_cast<unsigned>(left)) - 1u);
+}
+inline __m512 loadm(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 loadm(const uint16_t* p, __mmask16 m) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+// fp32 -> bf16, round to nearest even, 16 lanes: vcvtneps2bf16 where the CPU has it (as the
+// generic store_row), else the integer form of f32_to_bf16 (a NaN stays a quiet NaN).
+inline __m256i to_bf16(__m512 v) {
+#if defined(__AVX512BF16__)
+    return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    rounded = _mm512_mask_mov_epi32(rounded, nan,
+                                    _mm512_or_si512(bits, _mm512_set1_epi32(0x400000)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+#endif
+}
+inline void storem(float* p, __mmask16 m, __m512 v) { _mm512_mask_storeu_ps(p, m, v); }
+inline void storem(uint16_t* p, __mmask16 m, __m512 v) {
+    _mm256_mask_storeu_epi16(p, m, to_bf16(v));
+}
+
+inline __m512d low_pd(__m512 a) { return _mm512_cvtps_pd(_mm512_castps512_ps256(a)); }
+inline __m512d high_pd(__m512 a) {
+    return _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+// Adds the products a*b (floats, widened) to two double accumulators.  A product of two
+// floats is exact in double, so the fused multiply-add rounds once, as the generic loop's
+// double multiply then add.
+inline void add_products_pd(__m512 a, __m512 b, __m512d& lo, __m512d& hi) {
+    lo = _mm512_fmadd_pd(low_pd(a), low_pd(b), lo);
+    hi = _mm512_fmadd_pd(high_pd(a), high_pd(b), hi);
+}
+
+// 1 / d for d in [1, 2^126]: vrcp14ps and one Newton step, within about 1 ulp of the
+// division (a vdivps costs 10+ cycles a vector: most of an activation's time).
+inline __m512 recip_ps(__m512 d) {
+    const __m512 r = _mm512_rcp14_ps(d);
+    return _mm512_fmadd_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(1.0f)), r);
+}
+
+// Sum of squares in double (four accumulators, lane order: the generic `omp simd` reduction
+// also sums in the vectoriser's lane order), then the same inverse and output.
+template <typename T>
+void rmsnorm_forward_avx512(const T* x, const T* w, T* y, float* rstd, int64_t rows, int64_t h,
+                            float eps) {
+    std::vector<float> wf(h);
+    load_row(w, wf.data(), h);
+    const float* wp = wf.data();
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const T* xr = x + r * h;
+        __m512d s0 = _mm512_setzero_pd(), s1 = _mm512_setzero_pd();
+        __m512d s2 = _mm512_setzero_pd(), s3 = _mm512_setzero_pd();
+        int64_t i = 0;
+        for (; i + 32 <= h; i += 32) {
+            const __m512 a = loadm(xr + i, 0xFFFF), b = loadm(xr + i + 16, 0xFFFF);
+            add_products_pd(a, a, s0, s1);
+            add_products_pd(b, b, s2, s3);
+        }
+        for (; i < h; i += 16) {
+            const __m512 a = loadm(xr + i, tail_mask(h - i));
+            add_products_pd(a, a, s0, s1);
+        }
+        const double sum =
+            _mm512_reduce_add_pd(_mm512_add_pd(_mm512_add_pd(s0, s1), _mm512_add_pd(s2, s3)));
+        const float inv = static_cast<float>(1.0 / std::sqrt(sum / h + eps));
+        rstd[r] = inv;
+        const __m512 iv = _mm512_set1_ps(inv);
+        for (i = 0; i < h; i += 16) {
+            const __mmask16 m = tail_mask(h - i);
+            const __m512 out = _mm512_mul_ps(loadm(wp + i, m), _mm512_mul_ps(loadm(xr + i, m), iv));
+            storem(y + r * h + i, m, out);
+        }
+    }
+}
+
+// The same blocks, partial sums (float, row order within a block: the same bits as the
+// generic loop) and double dot product per row as the generic loop; the second pass
+// re-reads x and dy (in L1) instead of keeping fp32 copies.
+template <typename T>
+void rmsnorm_backward_avx512(const T* dy, const T* x, const T* w, const float* rstd, T* dx,
+                             float* dw, int64_t rows, int64_t h) {
+    std::vector<float> wf(h);
+    load_row(w, wf.data(), h);
+    const float* wp = wf.data();
+    const int64_t blocks = (rows + RMS_BLOCK - 1) / RMS_BLOCK;
+    std::vector<float> partial(static_cast<size_t>(blocks) * h, 0.0f);
+    float* partial_p = partial.data();
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+        float* acc = partial_p + b * h;
+        const int64_t end = (b + 1) * RMS_BLOCK < rows ? (b + 1) * RMS_BLOCK : rows;
+        for (int64_t r = b * RMS_BLOCK; r < end; ++r) {
+            const T* xr = x + r * h;
+            const T* gr = dy + r * h;
+            const __m512 iv = _mm512_set1_ps(rstd[r]);
+            __m512d d0 = _mm512_setzero_pd(), d1 = _mm512_setzero_pd();
+            for (int64_t i = 0; i < h; i += 16) {
+                const __mmask16 m = tail_mask(h - i);
+                const __m512 g = loadm(gr + i, m);
+                const __m512 xhat = _mm512_mul_ps(loadm(xr + i, m), iv);
+                add_products_pd(_mm512_mul_ps(g, loadm(wp + i, m)), xhat, d0, d1);
+                storem(acc + i, m, _mm512_add_ps(loadm(acc + i, m), _mm512_mul_ps(g, xhat)));
+            }
+            const double dot = _mm512_reduce_add_pd(_mm512_add_pd(d0, d1));
+            const __m512 mean = _mm512_set1_ps(static_cast<float>(dot / h));
+            for (int64_t i = 0; i < h; i += 16) {
+                const __mmask16 m = tail_mask(h - i);
+                const __m512 gw = _mm512_mul_ps(loadm(gr + i, m), loadm(wp + i, m));
+                const __m512 xhat = _mm512_mul_ps(loadm(xr + i, m), iv);
+                const __m512 out = _mm512_mul_ps(iv, _mm512_sub_ps(gw, _mm512_mul_ps(xhat, mean)));
+                storem(dx + r * h + i, m, out);
+            }
+        }
+    }
+    std::vector<double> total(h, 0.0);
+    for (int64_t b = 0; b < blocks; ++b) {
+        const float* acc = partial_p + b * h;
+        for (int64_t i = 0; i < h; ++i) total[i] += acc[i];
+    }
+    for (int64_t i = 0; i < h; ++i) dw[i] = static_cast<float>(total[i]);
+}
+
+// Rotation of one row half by half, 16 lanes at a time (the same products and sums).
+template <typename T>
+void rope_avx512(const T* q, const T* cos, const T* sin, T* out, int64_t batch, int64_t heads,
+                 int64_t seq, int64_t dim, bool backward) {
+    const int64_t half = dim / 2;
+    const int64_t rows = batch * heads * seq;
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t b = r / (heads * seq), s = r % seq;
+        const T* qr = q + r * dim;
+        const T* cr = cos + (b * seq + s) * dim;
+        const T* sr = sin + (b * seq + s) * dim;
+        T* o = out + r * dim;
+        for (int64_t i = 0; i < half; i += 16) {
+            const __mmask16 m = tail_mask(half - i);
+            const __m512 q1 = loadm(qr + i, m), q2 = loadm(qr + half + i, m);
+            const __m512 c1 = loadm(cr + i, m), c2 = loadm(cr + half + i, m);
+            const __m512 s1 = loadm(sr + i, m), s2 = loadm(sr + half + i, m);
+            if (!backward) {  // q1 c1 + (-q2) s1 == q1 c1 - q2 s1 exactly
+                storem(o + i, m, _mm512_sub_ps(_mm512_mul_ps(q1, c1), _mm512_mul_ps(q2, s1)));
+                storem(o + half + i, m, _mm512_add_ps(_mm512_mul_ps(q2, c2), _mm512_mul_ps(q1, s2)));
+            } else {
+                storem(o + i, m, _mm512_add_ps(_mm512_mul_ps(q1, c1), _mm512_mul_ps(q2, s2)));
+                storem(o + half + i, m, _mm512_sub_ps(_mm512_mul_ps(q2, c2), _mm512_mul_ps(q1, s1)));
+            }
+        }
+    }
+}
+
+// The activations, 16 lanes: the formulas of act / act_and_grad with exp_ps.  silu's
+// division is recip_ps (its exp(-g) clamped at exp(87) so that the denominator stays finite:
+// for g < -87 silu is below 2e-36 in magnitude either way).  gelu keeps the division: its
+// 1 + tanh cancels for negative inputs, where recip_ps's extra ulp would show (and the
+// division is not what bounds its time); its exp(2z) is clamped at exp(87), where tanh(z) = 1
+// in fp32 either way.
+constexpr float EXP_ARG_MAX = 87.0f;
+
+template <int KIND>
+inline __m512 glu_value(__m512 g) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    if (KIND == 0) {
+        const __m512 e = exp_ps(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g),
+                                              _mm512_set1_ps(EXP_ARG_MAX)));
+        return _mm512_mul_ps(g, recip_ps(_mm512_add_ps(one, e)));
+    }
+    const __m512 z = _mm512_mul_ps(
+        _mm512_set1_ps(GELU_C),
+        _mm512_add_ps(g, _mm512_mul_ps(_mm512_set1_ps(GELU_K), _mm512_mul_ps(_mm512_mul_ps(g, g), g))));
+    const __m512 e = exp_ps(_mm512_min_ps(_mm512_add_ps(z, z), _mm512_set1_ps(EXP_ARG_MAX)));
+    const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, one)));
+    return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g), _mm512_add_ps(one, t));
+}
+
+template <int KIND>
+inline void glu_value_slope(__m512 g, __m512& value, __m512& slope) {
+    const __m512 one = _mm512_set1_ps(1.0f), half = _mm512_set1_ps(0.5f);
+    if (KIND == 0) {
+        const __m512 e = exp_ps(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g),
+                                              _mm512_set1_ps(EXP_ARG_MAX)));
+        const __m512 sig = recip_ps(_mm512_add_ps(one, e));
+        value = _mm512_mul_ps(g, sig);
+        slope = _mm512_mul_ps(sig, _mm512_add_ps(one, _mm512_mul_ps(g, _mm512_sub_ps(one, sig))));
+        return;
+    }
+    const __m512 g2 = _mm512_mul_ps(g, g);
+    const __m512 z = _mm512_mul_ps(
+        _mm512_set1_ps(GELU_C),
+        _mm512_add_ps(g, _mm512_mul_ps(_mm512_set1_ps(GELU_K), _mm512_mul_ps(g2, g))));
+    const __m512 e = exp_ps(_mm512_min_ps(_mm512_add_ps(z, z), _mm512_set1_ps(EXP_ARG_MAX)));
+    const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, one)));
+    const __m512 onept = _mm512_add_ps(one, t);
+    value = _mm512_mul_ps(_mm512_mul_ps(half, g), onept);
+    const __m512 inner = _mm512_mul_ps(
+        _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(half, g), _mm512_sub_ps(one, _mm512_mul_ps(t, t))),
+                      _mm512_set1_ps(GELU_C)),
+        _mm512_add_ps(one, _mm512_mul_ps(_mm512_set1_ps(3.0f * GELU_K), g2)));
+    slope = _mm512_add_ps(_mm512_mul_ps(half, onept), inner);
+}
+
+constexpr int64_t GLU_CHUNK = 4096;  // elements per OpenMP work item
+
+template <int KIND, typename T>
+void glu_forward_avx512(const T* gate, const T* up, T* out, int64_t n) {
+    const int64_t chunks = (n + GLU_CHUNK - 1) / GLU_CHUNK;
+#pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t end = std::min<int64_t>(n, (c + 1) * GLU_CHUNK);
+        for (int64_t i = c * GLU_CHUNK; i < end; i += 16) {
+            const __mmask16 m = tail_mask(end - i);
+            const __m512 value = glu_value<KIND>(loadm(gate + i, m));
+            storem(out + i, m, _mm512_mul_ps(value, loadm(up + i, m)));
+        }
+    }
+}
+
+template <int KIND, typename T>
+void glu_backward_avx512(const T* grad, const T* gate, const T* up, T* dgate, T* dup,
+                         int64_t n) {
+    const int64_t chunks = (n + GLU_CHUNK - 1) / GLU_CHUNK;
+#pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t end = std::min<int64_t>(n, (c + 1) * GLU_CHUNK);
+        for (int64_t i = c * GLU_CHUNK; i < end; i += 16) {
+            const __mmask16 m = tail_mask(end - i);
+            __m512 value, slope;
+            glu_value_slope<KIND>(loadm(gate + i, m), value, slope);
+            const __m512 d = loadm(grad + i, m);
+            storem(dgate + i, m, _mm512_mul_ps(_mm512_mul_ps(d, loadm(up + i, m)), slope));
+            storem(dup + i, m, _mm512_mul_ps(d, value));
+        }
+    }
+}
+
+template <typename T>
+void glu_forward_avx512(const T* gate, const T* up, T* out, int64_t n, int kind) {
+    if (kind == 0)
+        glu_forward_avx512<0>(gate, up, out, n);
+    else
+        glu_forward_avx512<1>(gate, up, out, n);
+}
+
+template <typename T>
+void glu_backward_avx512(const T* grad, const T* gate, const T* up, T* dgate, T* dup, int64_t n,
+                         int kind) {
+    if (kind == 0)
+        glu_backward_avx512<0>(grad, gate, up, dgate, dup, n);
+    else
+        glu_backward_avx512<1>(grad, gate, up, dgate, dup, n);
+}
+
+// The attention softmax: one fp32 row buffer per thread; the row's max and sum in 16 lanes
+// (the generic loop's `omp simd` reductions also sum in lane order, with the vectoriser's
+// width); every exp is exp_ps (the generic loop takes std::exp for the last k % 16).
+template <typename T>
+void attn_softmax_forward_avx512(T* s, int64_t outer, int64_t inner, int64_t q_len, int64_t k,
+                                 const float* mask, int64_t per_batch, int64_t mask_stride,
+                                 int causal, float scale) {
+#pragma omp parallel
+    {
+        std::vector<float> buffer(static_cast<size_t>(k));
+        float* row = buffer.data();
+        const __m512 sv = _mm512_set1_ps(scale);
+#pragma omp for schedule(static)
+        for (int64_t rr = 0; rr < outer * inner; ++rr) {
+            T* x = s + rr * k;
+            const int64_t o = rr / inner, i = (rr % inner) % q_len;
+            const int64_t limit = causal ? std::min<int64_t>(k, i + k - q_len + 1) : k;
+            const float* mrow = mask ? mask + (o / per_batch) * mask_stride + i * k : nullptr;
+            __m512 mv = _mm512_set1_ps(-INFINITY);
+            for (int64_t j = 0; j < limit; j += 16) {
+                const __mmask16 m = tail_mask(limit - j);
+                __m512 v = _mm512_mul_ps(loadm(x + j, m), sv);
+                if (mrow) v = _mm512_add_ps(v, loadm(mrow + j, m));
+                _mm512_mask_storeu_ps(row + j, m, v);
+                mv = _mm512_mask_max_ps(mv, m, mv, v);
+            }
+            const __m512 mb = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t j = 0; j < limit; j += 16) {
+                const __mmask16 m = tail_mask(limit - j);
+                const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + j), mb));
+                _mm512_mask_storeu_ps(row + j, m, e);
+                sum = _mm512_mask_add_ps(sum, m, sum, e);
+            }
+            const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+            for (int64_t j = 0; j < k; j += 16) {
+                const __mmask16 m = tail_mask(k - j);
+                const __mmask16 live = j < limit ? tail_mask(limit - j) : static_cast<__mmask16>(0);
+                storem(x + j, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(live, row + j), inv));
+            }
+        }
+    }
+}
+
+template <typename T>
+void attn_softmax_backward_avx512(const T* p, T* dp, int64_t rows, int64_t k, float scale) {
+    const __m512 sv = _mm512_set1_ps(scale);
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const T* pr = p + r * k;
+        T* gr = dp + r * k;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t j = 0; j < k; j += 16) {
+            const __mmask16 m = tail_mask(k - j);
+            acc = _mm512_add_ps(acc, _mm512_mul_ps(loadm(pr + j, m), loadm(gr + j, m)));
+        }
+        const __m512 dot = _mm512_set1_ps(_mm512_reduce_add_ps(acc));
+        for (int64_t j = 0; j < k; j += 16) {
+            const __mmask16 m = tail_mask(k - j);
+            const __m512 v = _mm512_mul_ps(loadm(pr + j, m), _mm512_sub_ps(loadm(gr + j, m), dot));
+            storem(gr + j, m, _mm512_mul_ps(sv, v));
+        }
+    }
+}
+#endif  // SAKURA_AVX512
+
 }  // namespace
 
 extern "C" {
@@ -467,10 +815,10 @@ int sakura_blocks_rmsnorm_forward(int dtype, const void* x, const void* w, void*
                                   int64_t rows, int64_t h, float eps) {
     if (rows < 0 || h <= 0 || !(eps >= 0.0f)) return BAD_ARGUMENTS;
     if (dtype == 0)
-        rmsnorm_forward(static_cast<const float*>(x), static_cast<const float*>(w),
+        SAKURA_PATH(rmsnorm_forward)(static_cast<const float*>(x), static_cast<const float*>(w),
                         static_cast<float*>(y), rstd, rows, h, eps);
     else if (dtype == 1)
-        rmsnorm_forward(static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(w),
+        SAKURA_PATH(rmsnorm_forward)(static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(w),
                         static_cast<uint16_t*>(y), rstd, rows, h, eps);
     else
         return BAD_ARGUMENTS;
@@ -482,11 +830,11 @@ int sakura_blocks_rmsnorm_backward(int dtype, const void* dy, const void* x, con
                                    int64_t h) {
     if (rows < 0 || h <= 0) return BAD_ARGUMENTS;
     if (dtype == 0)
-        rmsnorm_backward(static_cast<const float*>(dy), static_cast<const float*>(x),
+        SAKURA_PATH(rmsnorm_backward)(static_cast<const float*>(dy), static_cast<const float*>(x),
                          static_cast<const float*>(w), rstd, static_cast<float*>(dx), dw, rows,
                          h);
     else if (dtype == 1)
-        rmsnorm_backward(static_cast<const uint16_t*>(dy), static_cast<const uint16_t*>(x),
+        SAKURA_PATH(rmsnorm_backward)(static_cast<const uint16_t*>(dy), static_cast<const uint16_t*>(x),
                          static_cast<const uint16_t*>(w), rstd, static_cast<uint16_t*>(dx), dw,
                          rows, h);
     else
@@ -498,11 +846,11 @@ int sakura_blocks_rope(int dtype, const void* q, const void* cos, const void* si
                        int64_t batch, int64_t heads, int64_t seq, int64_t dim, int backward) {
     if (batch < 0 || heads < 0 || seq < 0 || dim <= 0 || dim % 2 != 0) return BAD_ARGUMENTS;
     if (dtype == 0)
-        rope(static_cast<const float*>(q), static_cast<const float*>(cos),
+        SAKURA_PATH(rope)(static_cast<const float*>(q), static_cast<const float*>(cos),
              static_cast<const float*>(sin), static_cast<float*>(out), batch, heads, seq, dim,
              backward != 0);
     else if (dtype == 1)
-        rope(static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(cos),
+        SAKURA_PATH(rope)(static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(cos),
              static_cast<const uint16_t*>(sin), static_cast<uint16_t*>(out), batch, heads, seq,
              dim, backward != 0);
     else
@@ -515,10 +863,10 @@ int sakura_blocks_glu_forward(int dtype, int kind, const void* gate, const void*
                               int64_t n) {
     if (n < 0 || kind < 0 || kind > 1) return BAD_ARGUMENTS;
     if (dtype == 0)
-        glu_forward(static_cast<const float*>(gate), static_cast<const float*>(up),
+        SAKURA_PATH(glu_forward)(static_cast<const float*>(gate), static_cast<const float*>(up),
                     static_cast<float*>(out), n, kind);
     else if (dtype == 1)
-        glu_forward(static_cast<const uint16_t*>(gate), static_cast<const uint16_t*>(up),
+        SAKURA_PATH(glu_forward)(static_cast<const uint16_t*>(gate), static_cast<const uint16_t*>(up),
                     static_cast<uint16_t*>(out), n, kind);
     else
         return BAD_ARGUMENTS;
@@ -529,11 +877,11 @@ int sakura_blocks_glu_backward(int dtype, int kind, const void* grad, const void
                                const void* up, void* dgate, void* dup, int64_t n) {
     if (n < 0 || kind < 0 || kind > 1) return BAD_ARGUMENTS;
     if (dtype == 0)
-        glu_backward(static_cast<const float*>(grad), static_cast<const float*>(gate),
+        SAKURA_PATH(glu_backward)(static_cast<const float*>(grad), static_cast<const float*>(gate),
                      static_cast<const float*>(up), static_cast<float*>(dgate),
                      static_cast<float*>(dup), n, kind);
     else if (dtype == 1)
-        glu_backward(static_cast<const uint16_t*>(grad), static_cast<const uint16_t*>(gate),
+        SAKURA_PATH(glu_backward)(static_cast<const uint16_t*>(grad), static_cast<const uint16_t*>(gate),
                      static_cast<const uint16_t*>(up), static_cast<uint16_t*>(dgate),
                      static_cast<uint16_t*>(dup), n, kind);
     else
@@ -548,10 +896,10 @@ int sakura_attn_softmax_forward(int dtype, void* s, int64_t outer, int64_t inner
         (causal && q_len > k))
         return BAD_ARGUMENTS;
     if (dtype == 0)
-        attn_softmax_forward(static_cast<float*>(s), outer, inner, q_len, k, mask, per_batch,
+        SAKURA_PATH(attn_softmax_forward)(static_cast<float*>(s), outer, inner, q_len, k, mask, per_batch,
                              mask_stride, causal, scale);
     else if (dtype == 1)
-        attn_softmax_forward(static_cast<uint16_t*>(s), outer, inner, q_len, k, mask, per_batch,
+        SAKURA_PATH(attn_softmax_forward)(static_cast<uint16_t*>(s), outer, inner, q_len, k, mask, per_batch,
                              mask_stride, causal, scale);
     else
         return BAD_ARGUMENTS;
@@ -562,10 +910,10 @@ int sakura_attn_softmax_backward(int dtype, const void* p, void* dp, int64_t row
                                  float scale) {
     if (rows < 0 || k <= 0) return BAD_ARGUMENTS;
     if (dtype == 0)
-        attn_softmax_backward(static_cast<const float*>(p), static_cast<float*>(dp), rows, k,
+        SAKURA_PATH(attn_softmax_backward)(static_cast<const float*>(p), static_cast<float*>(dp), rows, k,
                               scale);
     else if (dtype == 1)
-        attn_softmax_backward(static_cast<const uint16_t*>(p), static_cast<uint16_t*>(dp), rows,
+        SAKURA_PATH(attn_softmax_backward)(static_cast<const uint16_t*>(p), static_cast<uint16_t*>(dp), rows,
                               k, scale);
     else
         return BAD_ARGUMENTS;
