@@ -802,6 +802,70 @@ void attn_softmax_backward_avx512(const T* p, T* dp, int64_t rows, int64_t k, fl
         }
     }
 }
+// The cross-entropy rows with one exp per logit instead of two: the pass that sums
+// exp(x - max) keeps those values in an fp32 row buffer (L2-resident), and the gradient is
+// that buffer times 1 / sum, rounded once to T (the generic loop recomputes exp(x - lse):
+// the same value within a few fp32 ulps; this one does not carry lse's rounding, a relative
+// error of ulp(lse) in every element).  The target's entry is exp(x_t - lse) - 1 as there.
+template <typename T>
+void xent_rows_avx512(T* logits, int64_t rows, int64_t v, const int64_t* targets, float* lse,
+                      float* picked, bool write_grad) {
+#pragma omp parallel
+    {
+        std::vector<float> buffer(write_grad ? static_cast<size_t>(v) : 0);
+        float* row = buffer.data();
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; ++r) {
+            T* x = logits + r * v;
+            __m512 m0 = _mm512_set1_ps(-INFINITY), m1 = m0;
+            int64_t i = 0;
+            for (; i + 32 <= v; i += 32) {
+                m0 = _mm512_max_ps(m0, loadm(x + i, 0xFFFF));
+                m1 = _mm512_max_ps(m1, loadm(x + i + 16, 0xFFFF));
+            }
+            for (; i < v; i += 16) {
+                const __mmask16 k = tail_mask(v - i);
+                m0 = _mm512_mask_max_ps(m0, k, m0, loadm(x + i, k));
+            }
+            const float m = _mm512_reduce_max_ps(_mm512_max_ps(m0, m1));
+            const __m512 mb = _mm512_set1_ps(m);
+            __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+            for (i = 0; i + 32 <= v; i += 32) {
+                const __m512 e0 = exp_ps(_mm512_sub_ps(loadm(x + i, 0xFFFF), mb));
+                const __m512 e1 = exp_ps(_mm512_sub_ps(loadm(x + i + 16, 0xFFFF), mb));
+                if (write_grad) {
+                    _mm512_storeu_ps(row + i, e0);
+                    _mm512_storeu_ps(row + i + 16, e1);
+                }
+                s0 = _mm512_add_ps(s0, e0);
+                s1 = _mm512_add_ps(s1, e1);
+            }
+            for (; i < v; i += 16) {
+                const __mmask16 k = tail_mask(v - i);
+                const __m512 e = exp_ps(_mm512_sub_ps(loadm(x + i, k), mb));
+                if (write_grad) _mm512_mask_storeu_ps(row + i, k, e);
+                s0 = _mm512_mask_add_ps(s0, k, s0, e);
+            }
+            const float sum = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+            const float l = m + std::log(sum);
+            const int64_t t = targets[r];
+            lse[r] = l;
+            picked[r] = t >= 0 ? to_f32(x[t]) : 0.0f;
+            if (!write_grad) continue;
+            if (t < 0) {
+                std::memset(static_cast<void*>(x), 0, sizeof(T) * v);
+                continue;
+            }
+            const float at_target = std::exp(to_f32(x[t]) - l) - 1.0f;
+            const __m512 inv = _mm512_set1_ps(1.0f / sum);
+            for (i = 0; i < v; i += 16) {
+                const __mmask16 k = tail_mask(v - i);
+                storem(x + i, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, row + i), inv));
+            }
+            from_f32(at_target, x + t);
+        }
+    }
+}
 #endif  // SAKURA_AVX512
 
 }  // namespace
@@ -928,9 +992,9 @@ int sakura_xent_rows(int dtype, void* logits, int64_t rows, int64_t v, const int
     for (int64_t r = 0; r < rows; ++r)
         if (targets[r] >= v) return BAD_ARGUMENTS;
     if (dtype == 0)
-        xent_rows(static_cast<float*>(logits), rows, v, targets, lse, picked, write_grad != 0);
+        SAKURA_PATH(xent_rows)(static_cast<float*>(logits), rows, v, targets, lse, picked, write_grad != 0);
     else if (dtype == 1)
-        xent_rows(static_cast<uint16_t*>(logits), rows, v, targets, lse, picked, write_grad != 0);
+        SAKURA_PATH(xent_rows)(static_cast<uint16_t*>(logits), rows, v, targets, lse, picked, write_grad != 0);
     else
         return BAD_ARGUMENTS;
     return 0;
