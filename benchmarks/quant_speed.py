@@ -125,10 +125,11 @@ def heap_for_large_buffers() -> str:
     (``sakura_torch.heap.reuse_freed_memory``), so a 32 MiB output is a reused buffer, not a
     fresh ``mmap`` whose first touch page-faults: otherwise that fault cost (about 15 ms for
     32 MiB here) dominates a dequantize and depends on which library freed what just before.
-    Applies to every variant alike; returns what it did."""
+    Applies to every variant alike; returns what it did.  1 GiB, not the default 32 MiB: a
+    block of exactly 32 MiB would still be an ``mmap``."""
     from sakura_torch.heap import reuse_freed_memory
 
-    return reuse_freed_memory().detail
+    return reuse_freed_memory(1 << 30).detail
 
 
 def speed(args: argparse.Namespace) -> dict[str, Any]:

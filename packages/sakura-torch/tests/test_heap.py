@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from sakura_torch.heap import LARGEST, reuse_freed_memory
+from sakura_torch.heap import reuse_freed_memory
 
 # Minor page faults per round of two 512 x 1536 bf16 products kept alive together, as a
 # training step keeps its activations (1.5 MiB each: 768 pages of 4 KiB in all).
@@ -30,7 +30,7 @@ def step():
     return sum(float(o[-1, -1]) for o in outputs)
 
 faults = []
-for _ in range(6):
+for _ in range(8):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     step()
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
@@ -53,17 +53,18 @@ def _probe(mode: str) -> dict:
 @glibc_only
 def test_a_freed_buffer_is_reused_without_page_faults() -> None:
     kept = _probe("reuse")
-    assert kept["result"][0] is True and "up to 32 MiB" in kept["result"][1]
-    # the first round faults its pages in; the next ones reuse them
+    assert kept["result"][0] is True and "below 32 MiB" in kept["result"][1]
+    # the first rounds fault their pages in (the heap grows to its high-water mark); the
+    # next ones reuse them
     assert kept["faults"][0] >= 700
-    assert max(kept["faults"][1:]) < 64
+    assert max(kept["faults"][3:]) < 64
     default = _probe("default")
     # glibc's default gives the outputs' pages back round after round (about 740 faults a
     # round here, now and then half of that)
-    assert sum(default["faults"][2:]) >= 1000
+    assert sum(default["faults"][3:]) >= 1000
 
 
-@pytest.mark.parametrize("bad", [0, (128 << 10) - 1, LARGEST + 1, 1.5, "32M", True])
+@pytest.mark.parametrize("bad", [0, (128 << 10) - 1, (1 << 30) + 1, 1.5, "32M", True])
 def test_largest_is_validated(bad: object) -> None:
     with pytest.raises((ValueError, TypeError), match="largest"):
         reuse_freed_memory(bad)  # type: ignore[arg-type]

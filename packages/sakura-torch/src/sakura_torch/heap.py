@@ -11,7 +11,7 @@ two 512 x 1536 bf16 products took 2.4 ms instead of 0.8 ms when their outputs we
 alive between calls.
 
 :func:`reuse_freed_memory` sets both thresholds with ``mallopt`` (process-wide, like
-``torch.set_num_threads``; nothing undoes it): blocks up to ``largest`` bytes come from the
+``torch.set_num_threads``; nothing undoes it): blocks below ``largest`` bytes come from the
 heap and freed memory stays there for reuse.  Setting only one of the two is worse than
 neither (it switches off glibc's own rising threshold), so both are set or neither.  The
 process's resident memory then stays at its high-water mark instead of falling back between
@@ -35,6 +35,7 @@ by itself (``DEFAULT_MMAP_THRESHOLD_MAX`` on a 64-bit system).  Larger blocks st
 s; a 1 GiB threshold made no difference to the QLoRA step of ``benchmarks/qlora_step.py``."""
 
 _SMALLEST = 128 << 10
+_CEILING = 1 << 30
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _KEEP_FREED = (1 << 31) - 1  # mallopt takes an int: 2 GiB of free heap top before trimming
@@ -60,10 +61,10 @@ def _glibc() -> ctypes.CDLL | None:
 
 
 def reuse_freed_memory(largest: int = LARGEST) -> HeapReuse:
-    """Have glibc serve blocks of up to ``largest`` bytes from its heap and keep freed
-    memory there (see the module docstring).  ``largest``: an int from 128 KiB to
-    :data:`LARGEST` (32 MiB).  Returns whether it was applied and why not."""
-    largest = check_int("largest", largest, minimum=_SMALLEST, maximum=LARGEST)
+    """Have glibc serve blocks below ``largest`` bytes from its heap and keep freed
+    memory there (see the module docstring).  ``largest``: an int from 128 KiB to 1 GiB
+    (default :data:`LARGEST`, 32 MiB).  Returns whether it was applied and why not."""
+    largest = check_int("largest", largest, minimum=_SMALLEST, maximum=_CEILING)
     libc = _glibc()
     if libc is None:
         return HeapReuse(False, "the C library is not glibc: its allocator is left as it is")
@@ -73,4 +74,4 @@ def reuse_freed_memory(largest: int = LARGEST) -> HeapReuse:
         return HeapReuse(False, f"glibc refused M_MMAP_THRESHOLD={largest}")
     if not libc.mallopt(_M_TRIM_THRESHOLD, _KEEP_FREED):
         return HeapReuse(False, "glibc refused M_TRIM_THRESHOLD")
-    return HeapReuse(True, f"glibc keeps freed memory for reuse (blocks up to {largest >> 20} MiB)")
+    return HeapReuse(True, f"glibc keeps freed memory for reuse (blocks below {largest >> 20} MiB)")
