@@ -381,3 +381,16 @@ def test_cross_entropy_rows_match_fp64_and_the_generic_build(
         torch.testing.assert_close(lse.double(), ref_lse, rtol=2e-6, atol=0)
         assert torch.equal(picked.double(), ref_picked)
         _assert_close(grad, ref_grad, f"{name} gradient")
+
+
+def test_attention_softmax_refuses_rows_that_are_not_whole_query_groups(
+    vector: ctypes.CDLL, generic: ctypes.CDLL
+) -> None:
+    """inner rows are (group member, query position) pairs: 7 rows for 3 positions are not."""
+    scores = torch.zeros(1, 1, 7, 4)
+    for lib in (vector, generic):
+        status = lib.sakura_attn_softmax_forward(
+            0, scores.data_ptr(), 1, 7, 3, 4, None, 1, 0, 0, 1.0
+        )
+        assert status == -1
+    assert bool((scores == 0).all())

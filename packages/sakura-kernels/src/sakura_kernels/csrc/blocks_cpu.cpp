@@ -210,8 +210,12 @@ inline void act_and_grad(float g, int kind, float& value, float& slope) {
 // exp(x) for 16 lanes: x = n ln2 + r, |r| <= ln2 / 2 (Cody-Waite, two-part ln2), exp(r) by
 // Cephes' degree-7 polynomial, times 2^n by vscalefps (which also gives 0 / inf past the
 // range).  Within 2 ulps of expf over the clamped range.
+inline __m512 exp_ps_in_range(__m512 x);
 inline __m512 exp_ps(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-103.0f)), _mm512_set1_ps(88.8f));
+    return exp_ps_in_range(_mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-103.0f)), _mm512_set1_ps(88.8f)));
+}
+// exp_ps for x already within [-103, 88.8] (the callers that clamp their argument anyway).
+inline __m512 exp_ps_in_range(__m512 x) {
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -412,7 +416,8 @@ inline void exp_inplace(float* x, int64_t n) {
 
 // Attention probabilities, in place: scores s (outer, inner, k) -> softmax(s * scale + mask)
 // over k, fp32 math, rounded once.  inner rows are (group member, query position) pairs:
-// query position = inner row % q_len.  mask: (batch, q_len, k) fp32 additive, batch = outer /
+// query position = inner row % q_len (inner a multiple of q_len: the entry point refuses
+// others).  mask: (batch, q_len, k) fp32 additive, batch = outer /
 // per_batch (mask_stride 0: one for all), or null; causal: key j > i + k - q_len masked.
 template <typename T>
 void attn_softmax_forward(T* s, int64_t outer, int64_t inner, int64_t q_len, int64_t k,
@@ -645,12 +650,17 @@ void rope_avx512(const T* q, const T* cos, const T* sin, T* out, int64_t batch, 
 // in fp32 either way.
 constexpr float EXP_ARG_MAX = 87.0f;
 
+// -g clamped to [-103, 87] (a NaN gate gives -103: the value and slope stay NaN through g).
+inline __m512 silu_exp_argument(__m512 g) {
+    return _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), _mm512_set1_ps(-103.0f)),
+                         _mm512_set1_ps(EXP_ARG_MAX));
+}
+
 template <int KIND>
 inline __m512 glu_value(__m512 g) {
     const __m512 one = _mm512_set1_ps(1.0f);
     if (KIND == 0) {
-        const __m512 e = exp_ps(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g),
-                                              _mm512_set1_ps(EXP_ARG_MAX)));
+        const __m512 e = exp_ps_in_range(silu_exp_argument(g));
         return _mm512_mul_ps(g, recip_ps(_mm512_add_ps(one, e)));
     }
     const __m512 z = _mm512_mul_ps(
@@ -665,8 +675,7 @@ template <int KIND>
 inline void glu_value_slope(__m512 g, __m512& value, __m512& slope) {
     const __m512 one = _mm512_set1_ps(1.0f), half = _mm512_set1_ps(0.5f);
     if (KIND == 0) {
-        const __m512 e = exp_ps(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g),
-                                              _mm512_set1_ps(EXP_ARG_MAX)));
+        const __m512 e = exp_ps_in_range(silu_exp_argument(g));
         const __m512 sig = recip_ps(_mm512_add_ps(one, e));
         value = _mm512_mul_ps(g, sig);
         slope = _mm512_mul_ps(sig, _mm512_add_ps(one, _mm512_mul_ps(g, _mm512_sub_ps(one, sig))));
@@ -695,11 +704,13 @@ void glu_forward_avx512(const T* gate, const T* up, T* out, int64_t n) {
 #pragma omp parallel for schedule(static)
     for (int64_t c = 0; c < chunks; ++c) {
         const int64_t end = std::min<int64_t>(n, (c + 1) * GLU_CHUNK);
-        for (int64_t i = c * GLU_CHUNK; i < end; i += 16) {
-            const __mmask16 m = tail_mask(end - i);
+        const auto step = [&](int64_t i, __mmask16 m) {
             const __m512 value = glu_value<KIND>(loadm(gate + i, m));
             storem(out + i, m, _mm512_mul_ps(value, loadm(up + i, m)));
-        }
+        };
+        int64_t i = c * GLU_CHUNK;
+        for (; i + 16 <= end; i += 16) step(i, 0xFFFF);  // full vectors: constant mask
+        if (i < end) step(i, tail_mask(end - i));
     }
 }
 
@@ -710,14 +721,16 @@ void glu_backward_avx512(const T* grad, const T* gate, const T* up, T* dgate, T*
 #pragma omp parallel for schedule(static)
     for (int64_t c = 0; c < chunks; ++c) {
         const int64_t end = std::min<int64_t>(n, (c + 1) * GLU_CHUNK);
-        for (int64_t i = c * GLU_CHUNK; i < end; i += 16) {
-            const __mmask16 m = tail_mask(end - i);
+        const auto step = [&](int64_t i, __mmask16 m) {
             __m512 value, slope;
             glu_value_slope<KIND>(loadm(gate + i, m), value, slope);
             const __m512 d = loadm(grad + i, m);
             storem(dgate + i, m, _mm512_mul_ps(_mm512_mul_ps(d, loadm(up + i, m)), slope));
             storem(dup + i, m, _mm512_mul_ps(d, value));
-        }
+        };
+        int64_t i = c * GLU_CHUNK;
+        for (; i + 16 <= end; i += 16) step(i, 0xFFFF);  // full vectors: constant mask
+        if (i < end) step(i, tail_mask(end - i));
     }
 }
 
@@ -750,10 +763,13 @@ void attn_softmax_forward_avx512(T* s, int64_t outer, int64_t inner, int64_t q_l
         std::vector<float> buffer(static_cast<size_t>(k));
         float* row = buffer.data();
         const __m512 sv = _mm512_set1_ps(scale);
-#pragma omp for schedule(static)
-        for (int64_t rr = 0; rr < outer * inner; ++rr) {
-            T* x = s + rr * k;
-            const int64_t o = rr / inner, i = (rr % inner) % q_len;
+        const int64_t members = inner / q_len;  // inner = members * q_len (the caller's)
+        // Three loops collapsed: the indices advance without a division per row.
+#pragma omp for schedule(static) collapse(3)
+        for (int64_t o = 0; o < outer; ++o)
+        for (int64_t member = 0; member < members; ++member)
+        for (int64_t i = 0; i < q_len; ++i) {
+            T* x = s + ((o * members + member) * q_len + i) * k;
             const int64_t limit = causal ? std::min<int64_t>(k, i + k - q_len + 1) : k;
             const float* mrow = mask ? mask + (o / per_batch) * mask_stride + i * k : nullptr;
             __m512 mv = _mm512_set1_ps(-INFINITY);
@@ -956,8 +972,8 @@ int sakura_blocks_glu_backward(int dtype, int kind, const void* grad, const void
 int sakura_attn_softmax_forward(int dtype, void* s, int64_t outer, int64_t inner, int64_t q_len,
                                 int64_t k, const float* mask, int64_t per_batch,
                                 int64_t mask_stride, int causal, float scale) {
-    if (outer < 0 || inner < 0 || q_len <= 0 || k <= 0 || per_batch <= 0 || mask_stride < 0 ||
-        (causal && q_len > k))
+    if (outer < 0 || inner < 0 || q_len <= 0 || inner % q_len != 0 || k <= 0 || per_batch <= 0 ||
+        mask_stride < 0 || (causal && q_len > k))
         return BAD_ARGUMENTS;
     if (dtype == 0)
         SAKURA_PATH(attn_softmax_forward)(static_cast<float*>(s), outer, inner, q_len, k, mask, per_batch,
