@@ -12,6 +12,7 @@ Triton (CUDA only): they are listed as a rival when ``liger_kernel`` imports and
 device exists, else the output says why not.
 
     python benchmarks/block_kernels.py --trials 15
+    python benchmarks/block_kernels.py --trials 5 --dtypes bf16 --threads 1
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
+from sakura.options import check_int
 from sakura_bench.measure import interleaved, load_average, machine_note, ratio_summary, summary
 from sakura_kernels.blocks import fused_glu, fused_rms_norm
 from sakura_kernels.blocks.functions import fused_rotary
@@ -96,7 +98,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--trials", type=int, default=9, help="interleaved trials (default 9)")
     parser.add_argument("--repeat", type=int, default=5, help="calls per timed trial (default 5)")
     parser.add_argument("--dtypes", default="fp32,bf16", help="fp32,bf16 (default both)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch / OpenMP threads (default: torch's own; 1 as in benchmarks/qlora_step.py)",
+    )
     args = parser.parse_args(argv)
+    if check_int("--threads", args.threads, minimum=1, allow_none=True) is not None:
+        torch.set_num_threads(args.threads)
     load = load_average()
     print(machine_note())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
