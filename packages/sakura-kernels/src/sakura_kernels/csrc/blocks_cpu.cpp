@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -698,6 +699,32 @@ inline void glu_value_slope(__m512 g, __m512& value, __m512& slope) {
 
 constexpr int64_t GLU_CHUNK = 4096;  // elements per OpenMP work item
 
+// 32 bf16 at once as two fp32 vectors, the even-indexed elements and the odd ones: one load
+// and one shift or mask each (instead of a widening load and a shift per 16).  Elementwise
+// code runs on both halves alike; pair_store interleaves them back, rounded as storem.
+struct Bf16Pair {
+    __m512 even, odd;
+};
+inline Bf16Pair pair_load(const uint16_t* p) {
+    const __m512i words = _mm512_loadu_si512(p);
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(words, 16)),
+            _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))))};
+}
+inline void pair_store(uint16_t* p, __m512 even, __m512 odd) {
+#if defined(__AVX512BF16__)
+    // vcvtne2ps2bf16 puts the 16 even results in words 0-15 and the odd ones in 16-31.
+    const __m512i packed = (__m512i)_mm512_cvtne2ps_pbh(odd, even);
+    const __m512i interleave = _mm512_set_epi16(
+        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+        23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    _mm512_storeu_si512(p, _mm512_permutexvar_epi16(interleave, packed));
+#else
+    const __m512i lo = _mm512_cvtepu16_epi32(to_bf16(even));
+    const __m512i hi = _mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(odd)), 16);
+    _mm512_storeu_si512(p, _mm512_or_si512(lo, hi));
+#endif
+}
+
 template <int KIND, typename T>
 void glu_forward_avx512(const T* gate, const T* up, T* out, int64_t n) {
     const int64_t chunks = (n + GLU_CHUNK - 1) / GLU_CHUNK;
@@ -709,6 +736,13 @@ void glu_forward_avx512(const T* gate, const T* up, T* out, int64_t n) {
             storem(out + i, m, _mm512_mul_ps(value, loadm(up + i, m)));
         };
         int64_t i = c * GLU_CHUNK;
+        if constexpr (std::is_same_v<T, uint16_t>) {
+            for (; i + 32 <= end; i += 32) {
+                const Bf16Pair g = pair_load(gate + i), u = pair_load(up + i);
+                pair_store(out + i, _mm512_mul_ps(glu_value<KIND>(g.even), u.even),
+                           _mm512_mul_ps(glu_value<KIND>(g.odd), u.odd));
+            }
+        }
         for (; i + 16 <= end; i += 16) step(i, 0xFFFF);  // full vectors: constant mask
         if (i < end) step(i, tail_mask(end - i));
     }
@@ -729,6 +763,18 @@ void glu_backward_avx512(const T* grad, const T* gate, const T* up, T* dgate, T*
             storem(dup + i, m, _mm512_mul_ps(d, value));
         };
         int64_t i = c * GLU_CHUNK;
+        if constexpr (std::is_same_v<T, uint16_t>) {
+            for (; i + 32 <= end; i += 32) {
+                const Bf16Pair g = pair_load(gate + i), u = pair_load(up + i);
+                const Bf16Pair d = pair_load(grad + i);
+                __m512 value_e, slope_e, value_o, slope_o;
+                glu_value_slope<KIND>(g.even, value_e, slope_e);
+                glu_value_slope<KIND>(g.odd, value_o, slope_o);
+                pair_store(dgate + i, _mm512_mul_ps(_mm512_mul_ps(d.even, u.even), slope_e),
+                           _mm512_mul_ps(_mm512_mul_ps(d.odd, u.odd), slope_o));
+                pair_store(dup + i, _mm512_mul_ps(d.even, value_e), _mm512_mul_ps(d.odd, value_o));
+            }
+        }
         for (; i + 16 <= end; i += 16) step(i, 0xFFFF);  // full vectors: constant mask
         if (i < end) step(i, tail_mask(end - i));
     }
