@@ -353,6 +353,15 @@ def test_attention_softmax_odd_key_lengths_match_fp64_and_the_generic_build(
         )
         assert status == 0
         _assert_close(ds, ref_ds, f"{name} score gradient")
+        if causal:  # the backward that skips the zeros past the causal limits
+            ds_causal = dp.clone()
+            status = lib.sakura_attn_softmax_backward_causal(
+                CODES[dtype], probs.data_ptr(), ds_causal.data_ptr(), b * kvh * inner, q_len, k,
+                scale,
+            )  # fmt: skip
+            assert status == 0
+            _assert_close(ds_causal, ref_ds, f"{name} causal score gradient")
+            assert bool((ds_causal[probs == 0] == 0).all())
 
 
 # ---- cross-entropy rows -------------------------------------------------------------------
@@ -405,6 +414,12 @@ def test_attention_softmax_refuses_rows_that_are_not_whole_query_groups(
         )
         assert status == -1
     assert bool((scores == 0).all())
+    for rows, q_len, k in ((7, 3, 4), (6, 5, 4), (6, 0, 4)):  # partial group, q_len > k, 0
+        for lib in (vector, generic):
+            status = lib.sakura_attn_softmax_backward_causal(
+                0, scores.data_ptr(), scores.data_ptr(), rows, q_len, k, 1.0
+            )
+            assert status == -1
 
 
 def test_bf16_rounding_without_avx512_bf16_gives_the_same_bits(

@@ -44,6 +44,7 @@ def _declare(lib: ctypes.CDLL) -> None:
             ctypes.c_float,
         ],
         "sakura_attn_softmax_backward": [_INT, _P, _P, _I64, _I64, ctypes.c_float],
+        "sakura_attn_softmax_backward_causal": [_INT, _P, _P, _I64, _I64, _I64, ctypes.c_float],
     }
     for name, argtypes in signatures.items():
         function = getattr(lib, name)
@@ -56,7 +57,7 @@ CPU_LIBRARY = NativeLibrary(
     name="sakura_kernels_blocks_cpu",
     sources=[Path(__file__).parent.parent / "csrc" / "blocks_cpu.cpp"],
     abi_symbol="sakura_kernels_blocks_abi_version",
-    abi_version=2,
+    abi_version=3,
     declare=_declare,
     what="C++ block kernels",
     # No fused multiply-add contraction: each product rounds as torch's does.

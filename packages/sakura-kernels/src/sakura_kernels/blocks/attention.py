@@ -9,7 +9,8 @@ backward).  Here the query heads that share a key/value head are stacked as rows
 matmul against that head (a view: ``(batch, kv_heads, group * q_len, head_dim)``), the C++
 kernel turns the scores into probabilities in place (scale, mask or causal limit, softmax),
 and backward is ``dV = P^T dO``, ``dP = dO V^T``, ``dS = scale * P * (dP - rowsum(P dP))``
-(C++, in place), ``dQ = dS K``, ``dK = dS^T Q``: the sums over a group's query heads come out
+(C++, in place; after a causal forward the zero probabilities past each query's limit
+are skipped), ``dQ = dS K``, ``dK = dS^T Q``: the sums over a group's query heads come out
 of the matmuls.  Kept for backward: Q, K, V and P (as eager keeps P too).
 
 Use it with :func:`register_attention` and ``attn_implementation="sakura"``
@@ -127,6 +128,7 @@ class FusedAttention(torch.autograd.Function):
         )  # fmt: skip
         ctx.save_for_backward(q, k, v, scores)
         ctx.scale = scale
+        ctx.causal_q_len = q_len if causal else 0
         return torch.matmul(scores, v)
 
     @staticmethod
@@ -142,13 +144,22 @@ class FusedAttention(torch.autograd.Function):
                 f"gradients for {probs.dtype} {tuple(probs.shape)} probabilities"
             )
         lib = _library()
-        _status(
-            lib.sakura_attn_softmax_backward(
-                code, probs.data_ptr(), grad_s.data_ptr(),
-                grad_s.numel() // grad_s.shape[-1], grad_s.shape[-1], ctx.scale,
-            ),
-            "softmax backward",
-        )  # fmt: skip
+        rows, k_len = grad_s.numel() // grad_s.shape[-1], grad_s.shape[-1]
+        if ctx.causal_q_len:  # the zero probabilities past the causal limits are skipped
+            status = lib.sakura_attn_softmax_backward_causal(
+                code,
+                probs.data_ptr(),
+                grad_s.data_ptr(),
+                rows,
+                ctx.causal_q_len,
+                k_len,
+                ctx.scale,
+            )
+        else:
+            status = lib.sakura_attn_softmax_backward(
+                code, probs.data_ptr(), grad_s.data_ptr(), rows, k_len, ctx.scale
+            )
+        _status(status, "softmax backward")
         grad_q = torch.matmul(grad_s, k)
         grad_k = torch.matmul(grad_s.transpose(2, 3), q)
         return grad_q, grad_k, grad_v, None, None, None, None

@@ -459,21 +459,31 @@ void attn_softmax_forward(T* s, int64_t outer, int64_t inner, int64_t q_len, int
     }
 }
 
-// Its backward, in place: dp (rows, k) -> scale * p * (dp - sum_j p_j dp_j).
+// Its backward, in place: dp (rows, k) -> scale * p * (dp - sum_j p_j dp_j).  causal_q_len
+// > 0: the forward was causal over q_len query positions (row r's position r % q_len), so p
+// is zero past each row's limit: there the result is written as 0 without reading p or dp
+// (the full formula gives 0 too, or -0, or NaN where dp is not finite).
+inline int64_t causal_limit(int64_t r, int64_t causal_q_len, int64_t k) {
+    return causal_q_len > 0 ? std::min<int64_t>(k, r % causal_q_len + k - causal_q_len + 1) : k;
+}
+
 template <typename T>
-void attn_softmax_backward(const T* p, T* dp, int64_t rows, int64_t k, float scale) {
+void attn_softmax_backward(const T* p, T* dp, int64_t rows, int64_t k, float scale,
+                           int64_t causal_q_len) {
 #pragma omp parallel
     {
         std::vector<float> pr(k), gr(k);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; ++r) {
-            load_row(p + r * k, pr.data(), k);
-            load_row(dp + r * k, gr.data(), k);
+            const int64_t limit = causal_limit(r, causal_q_len, k);
+            load_row(p + r * k, pr.data(), limit);
+            load_row(dp + r * k, gr.data(), limit);
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t j = 0; j < k; ++j) dot += pr[j] * gr[j];
+            for (int64_t j = 0; j < limit; ++j) dot += pr[j] * gr[j];
 #pragma omp simd
-            for (int64_t j = 0; j < k; ++j) gr[j] = scale * (pr[j] * (gr[j] - dot));
+            for (int64_t j = 0; j < limit; ++j) gr[j] = scale * (pr[j] * (gr[j] - dot));
+            for (int64_t j = limit; j < k; ++j) gr[j] = 0.0f;
             store_row(gr.data(), dp + r * k, k);
         }
     }
@@ -845,22 +855,25 @@ void attn_softmax_forward_avx512(T* s, int64_t outer, int64_t inner, int64_t q_l
 }
 
 template <typename T>
-void attn_softmax_backward_avx512(const T* p, T* dp, int64_t rows, int64_t k, float scale) {
+void attn_softmax_backward_avx512(const T* p, T* dp, int64_t rows, int64_t k, float scale,
+                                  int64_t causal_q_len) {
     const __m512 sv = _mm512_set1_ps(scale);
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
         const T* pr = p + r * k;
         T* gr = dp + r * k;
+        const int64_t limit = causal_limit(r, causal_q_len, k);
         __m512 acc = _mm512_setzero_ps();
-        for (int64_t j = 0; j < k; j += 16) {
-            const __mmask16 m = tail_mask(k - j);
+        for (int64_t j = 0; j < limit; j += 16) {
+            const __mmask16 m = tail_mask(limit - j);
             acc = _mm512_add_ps(acc, _mm512_mul_ps(loadm(pr + j, m), loadm(gr + j, m)));
         }
         const __m512 dot = _mm512_set1_ps(_mm512_reduce_add_ps(acc));
         for (int64_t j = 0; j < k; j += 16) {
             const __mmask16 m = tail_mask(k - j);
-            const __m512 v = _mm512_mul_ps(loadm(pr + j, m), _mm512_sub_ps(loadm(gr + j, m), dot));
-            storem(gr + j, m, _mm512_mul_ps(sv, v));
+            const __mmask16 live = j < limit ? tail_mask(limit - j) : static_cast<__mmask16>(0);
+            const __m512 v = _mm512_mul_ps(loadm(pr + j, live), _mm512_sub_ps(loadm(gr + j, live), dot));
+            storem(gr + j, m, _mm512_maskz_mul_ps(live, sv, v));
         }
     }
 }
@@ -930,11 +943,25 @@ void xent_rows_avx512(T* logits, int64_t rows, int64_t v, const int64_t* targets
 }
 #endif  // SAKURA_AVX512
 
+int softmax_backward_entry(int dtype, const void* p, void* dp, int64_t rows, int64_t k,
+                           float scale, int64_t causal_q_len) {
+    if (dtype == 0)
+        SAKURA_PATH(attn_softmax_backward)(static_cast<const float*>(p), static_cast<float*>(dp),
+                                           rows, k, scale, causal_q_len);
+    else if (dtype == 1)
+        SAKURA_PATH(attn_softmax_backward)(static_cast<const uint16_t*>(p),
+                                           static_cast<uint16_t*>(dp), rows, k, scale,
+                                           causal_q_len);
+    else
+        return BAD_ARGUMENTS;
+    return 0;
+}
+
 }  // namespace
 
 extern "C" {
 
-int sakura_kernels_blocks_abi_version(void) { return 2; }
+int sakura_kernels_blocks_abi_version(void) { return 3; }
 
 // dtype: 0 = fp32, 1 = bf16.  Returns 0, or -1 when an argument is out of range.
 int sakura_blocks_rmsnorm_forward(int dtype, const void* x, const void* w, void* y, float* rstd,
@@ -1035,15 +1062,16 @@ int sakura_attn_softmax_forward(int dtype, void* s, int64_t outer, int64_t inner
 int sakura_attn_softmax_backward(int dtype, const void* p, void* dp, int64_t rows, int64_t k,
                                  float scale) {
     if (rows < 0 || k <= 0) return BAD_ARGUMENTS;
-    if (dtype == 0)
-        SAKURA_PATH(attn_softmax_backward)(static_cast<const float*>(p), static_cast<float*>(dp), rows, k,
-                              scale);
-    else if (dtype == 1)
-        SAKURA_PATH(attn_softmax_backward)(static_cast<const uint16_t*>(p), static_cast<uint16_t*>(dp), rows,
-                              k, scale);
-    else
-        return BAD_ARGUMENTS;
-    return 0;
+    return softmax_backward_entry(dtype, p, dp, rows, k, scale, 0);
+}
+
+// The backward of a causal forward over q_len query positions (rows a multiple of q_len, row
+// r at position r % q_len): the zero probabilities past each row's causal limit are neither
+// read nor multiplied, their gradient is written as 0 (ABI 3).
+int sakura_attn_softmax_backward_causal(int dtype, const void* p, void* dp, int64_t rows,
+                                        int64_t q_len, int64_t k, float scale) {
+    if (rows < 0 || k <= 0 || q_len <= 0 || q_len > k || rows % q_len != 0) return BAD_ARGUMENTS;
+    return softmax_backward_entry(dtype, p, dp, rows, k, scale, q_len);
 }
 
 // logits: (rows, v) fp32 (dtype 0) or bf16 (1), contiguous, overwritten by the gradient when
