@@ -240,6 +240,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     ]
     paging = planner = None
     plan = ""
+    replans: list[str] = []
     same_by_hand = None
     kind = spec["kind"]
     try:
@@ -280,6 +281,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
                 state = model.sakura_fit
                 paging, planner, plan = state.paging, state.planner, state.plan.summary()
                 same_by_hand = _hand_name(state.plan)
+                replans = [r.describe() for r in state.replans]
             host_state = max(host_state, _host_state(optimizer, paging))
             optimizer.zero_grad(set_to_none=True)
             losses.append(float(loss.detach()))
@@ -292,6 +294,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         "error": None,
         "plan": plan,
         "same_by_hand": same_by_hand,
+        "replans": replans,
         "step_s": times,
         "losses": losses,
         "host_used": peak - baseline,

@@ -75,7 +75,7 @@ QUICK = {
 NORMAL = {
     "hidden": 384, "intermediate": 1024, "layers": 10, "heads": 6, "kv_heads": 6,
     "vocab": 2048, "batch": 1, "seq": 64, "device_budget": 24 * 2**20,
-    "host_budget": 48 * 2**20, "trials": 3, "steps": 3, "warmup": 1,
+    "host_budget": 48 * 2**20, "trials": 3, "steps": 3, "warmup": 2,
 }  # fmt: skip
 
 
@@ -275,6 +275,7 @@ def summarise(
             "error": None,
             "plan": results[0]["plan"],
             "same_by_hand": results[0].get("same_by_hand"),
+            "replans": [r.get("replans", []) for r in results],
             "step_s": summary([statistics.fmean(r["step_s"]) for r in results]),
             "device_peak": device,
             "host_state_peak": host_state,
@@ -406,6 +407,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
                 continue
             klass = precision_class(name, row)
             lines += ["", f"{name}'s plan: {row['plan']}"]
+            for trial, replans in enumerate(row["replans"]):
+                lines += [f"  trial {trial}: {line}" for line in replans]
             twin = rows.get(row["same_by_hand"] or "")
             if twin is not None and twin["error"] is None:
                 gap = abs(row["final_loss"] - twin["final_loss"])

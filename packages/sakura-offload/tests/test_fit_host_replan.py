@@ -7,7 +7,7 @@ The model: a 4-layer Llama (hidden 128) trained in full, so the host optimizer's
 (8 MiB) fill most of a 12 MiB host budget and the activation planner's host paging gets
 little; the 11 MiB device budget leaves the activations about 3 MiB of their 7.7 MiB, so
 blocks page or recompute.  The RSS the measurement sees is injected (``read_rss``) where a
-test needs exact figures."""
+test needs exact figures (``host_replan.rss_reader``)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,13 @@ import pytest
 import torch
 
 import sakura_offload
-from sakura_offload.fit.host_replan import MIN_CHANGE, HostReserve, reserve_needed
+from sakura_offload.fit import host_replan
+from sakura_offload.fit.host_replan import (
+    MIN_CHANGE,
+    HostReserve,
+    file_backed_bytes,
+    reserve_margin,
+)
 
 pytest.importorskip("transformers")
 
@@ -27,6 +33,8 @@ MB = 2**20
 DEVICE = 11 * MB
 HOST = 12 * MB
 RESERVE = HOST // 8
+LIMIT = HOST + DEVICE
+"""On a CPU the device is host RAM too: the anonymous RSS is held against both budgets."""
 STEPS = 4
 
 
@@ -70,32 +78,33 @@ def train(model: Any, optimizer: Any, steps: int = STEPS, on_step: Any = None) -
 
 
 class FakeRss:
-    """RSS as the test decides: the reference, then the reference plus what the plan
-    accounts for the step plus ``overhead`` at every later sample."""
+    """RSS as the test decides: any level at the baseline, then the baseline plus ``used``
+    at every reading of the measured step."""
 
-    def __init__(self, overhead: int) -> None:
-        self.overhead = overhead
+    def __init__(self, used: int) -> None:
+        self.used = used
         self.host: HostReserve | None = None
         self.calls = 0
 
     def __call__(self) -> int:
         self.calls += 1
-        base = 1 << 32
-        if self.calls == 1 or self.host is None:
-            return base
-        return base + self.host.accounted + self.overhead
+        if self.host is None:
+            return 1 << 32
+        return self.host.baseline + self.used
 
 
-def run_with(tmp: Path, overhead: int) -> tuple[Any, int, FakeRss]:
-    """Wrap, inject ``FakeRss(overhead)``, train; returns the state and the planner's host
+def run_with(tmp: Path, monkeypatch: pytest.MonkeyPatch, used: int) -> tuple[Any, int, FakeRss]:
+    """Wrap, train with ``FakeRss(used)`` read; returns the state and the planner's host
     budget before the re-plan."""
+    fake = FakeRss(used)
+    monkeypatch.setattr(host_replan, "rss_reader", fake)
     model, optimizer = wrapped(tmp)
     state = model.sakura_fit
     host = state.replanner.host
     assert host is not None and state.budgets.host_reserve == RESERVE
-    fake = FakeRss(overhead)
+    anonymous = sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
+    assert host.baseline == (1 << 32) - anonymous  # the model's tensors are anonymous here
     fake.host = host
-    host.read_rss = fake
     before = state.planner.host_budget
     assert before == HOST - state.plan.host_bytes
     train(model, optimizer)
@@ -103,11 +112,20 @@ def run_with(tmp: Path, overhead: int) -> tuple[Any, int, FakeRss]:
 
 
 def test_the_margin_rule() -> None:
-    assert reserve_needed(0) == MB
-    assert reserve_needed(2 * MB) == 3 * MB
-    assert reserve_needed(8 * MB) == 10 * MB
-    with pytest.raises(ValueError, match="overhead must be >= 0"):
-        reserve_needed(-1)
+    assert reserve_margin(0) == MB
+    assert reserve_margin(72 * MB) == 72 * MB // 50
+    with pytest.raises(ValueError, match="limit must be >= 0"):
+        reserve_margin(-1)
+
+
+def test_file_backed_tensors_are_found_in_the_maps(tmp_path: Path) -> None:
+    path = tmp_path / "w.pt"
+    torch.save({"w": torch.randn(4096)}, path)
+    mapped = torch.load(path, mmap=True, weights_only=True)["w"]
+    anonymous = torch.randn(4096)
+    assert file_backed_bytes([mapped, mapped[10:], anonymous]) == mapped.nbytes
+    assert file_backed_bytes([anonymous]) == 0
+    assert file_backed_bytes([mapped], maps="") == 0
 
 
 def host_paged(plan: Any) -> int:
@@ -115,61 +133,69 @@ def host_paged(plan: Any) -> int:
 
 
 def test_the_unused_reserve_goes_to_the_activations_host_paging(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    overhead = 200 * 2**10
+    # 1 MiB left under the limit beyond the margin: less than the reserve (1.5 MiB)
+    used = LIMIT - reserve_margin(LIMIT) - MB
     with caplog.at_level(logging.INFO, logger="sakura_offload.fit"):
-        model, before, fake = run_with(tmp_path, overhead)
+        model, before, fake = run_with(tmp_path, monkeypatch, used)
     state = model.sakura_fit
     host = state.replanner.host
-    assert host.overhead == overhead
-    given = RESERVE - reserve_needed(overhead)
-    assert given >= MIN_CHANGE
-    assert state.planner.host_budget == before + given
+    assert host.used == used
+    assert state.planner.host_budget == before + MB
     assert host_paged(state.planner.applied) <= state.planner.host_budget
-    # measured once: the reference, 4 blocks forward and backward, the model, the step
-    assert fake.calls == 1 + 2 * 4 + 2
+    # the baseline, then once: the step's start, 4 blocks forward and backward, the model,
+    # the step's end
+    assert fake.calls == 1 + 1 + 2 * 4 + 2
     [record] = state.replans
     assert (record.what, record.measured, record.estimated, record.step) == (
-        "host reserve", overhead, RESERVE, 2
+        "host reserve", used, LIMIT, 2
     )  # fmt: skip
-    assert state.budgets.host_reserve == reserve_needed(overhead)
+    assert state.budgets.host_reserve == RESERVE - MB
     assert state.plan.host_bytes + state.planner.host_budget == HOST  # the budget holds
     report = sakura_offload.memory_report(model)
     assert report["replans"] == [record.describe()]
-    assert "host memory no part accounts for measured 204800 bytes" in report["table"]
-    assert "the rest goes to the activations' host paging" in caplog.text
+    assert f"anonymous RSS peaked {used} bytes above its baseline" in report["table"]
+    assert "host_reserve's unused part goes to the activations' host paging" in caplog.text
     sakura_offload.unwrap(model)
 
 
-def test_an_overhead_above_the_reserve_takes_host_room_back(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+def test_more_room_than_the_reserve_gives_the_reserve_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    overhead = RESERVE + 512 * 2**10
-    with caplog.at_level(logging.WARNING, logger="sakura_offload.fit"):
-        model, before, _ = run_with(tmp_path, overhead)
+    model, before, _ = run_with(tmp_path, monkeypatch, 0)
     state = model.sakura_fit
-    taken = reserve_needed(overhead) - RESERVE
-    assert 0 < taken <= before
-    assert state.planner.host_budget == before - taken
+    assert state.planner.host_budget == before + RESERVE
+    assert state.budgets.host_reserve == 0
+    sakura_offload.unwrap(model)
+
+
+def test_a_peak_over_the_margin_takes_host_room_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    used = LIMIT - reserve_margin(LIMIT) + 512 * 2**10
+    with caplog.at_level(logging.WARNING, logger="sakura_offload.fit"):
+        model, before, _ = run_with(tmp_path, monkeypatch, used)
+    state = model.sakura_fit
+    assert state.planner.host_budget == before - 512 * 2**10
     assert host_paged(state.planner.applied) <= state.planner.host_budget
     assert [r.what for r in state.replans] == ["host reserve"]
-    assert "the difference comes from the activations' host paging" in caplog.text
+    assert "host_reserve's shortfall comes from the activations' host paging" in caplog.text
     assert state.plan.host_bytes + state.planner.host_budget == HOST
     sakura_offload.unwrap(model)
 
 
 def test_a_shortfall_beyond_the_activations_host_paging_is_named(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    overhead = 16 * MB
+    used = LIMIT + 16 * MB
     with caplog.at_level(logging.WARNING, logger="sakura_offload.fit"):
-        model, before, _ = run_with(tmp_path, overhead)
+        model, before, _ = run_with(tmp_path, monkeypatch, used)
     state = model.sakura_fit
     assert state.planner.host_budget == 0
     assert host_paged(state.planner.applied) == 0
-    short = reserve_needed(overhead) - RESERVE - before
-    assert f"may exceed host_budget={HOST} by about {short} bytes" in caplog.text
+    short = used + reserve_margin(LIMIT) - LIMIT - before
+    assert f"may exceed its limit of {LIMIT} bytes by about {short}" in caplog.text
     sakura_offload.unwrap(model)
 
 
@@ -191,21 +217,23 @@ def test_the_real_reader_keeps_the_budget_s_sum(tmp_path: Path) -> None:
     before = state.planner.host_budget
     train(model, optimizer)
     host = state.replanner.host
-    assert host.done and host.overhead is not None and host.overhead >= 0
-    assert host.peak >= host.reference > 0
-    change = RESERVE - reserve_needed(host.overhead)
-    if abs(change) < MIN_CHANGE:
-        assert state.planner.host_budget == before and state.replans == []
-    else:
+    assert host.done and host.used is not None and host.used >= 0
+    assert host.samples == 1 + 2 * 4 + 2
+    change = min(LIMIT - host.used - reserve_margin(LIMIT), RESERVE)
+    if state.replans:
         assert state.planner.host_budget == max(0, before + change)
-        assert [r.measured for r in state.replans] == [host.overhead]
+        assert [r.measured for r in state.replans] == [host.used]
+    else:
+        assert state.planner.host_budget == before and abs(change) < MIN_CHANGE
     assert host_paged(state.planner.applied) <= state.planner.host_budget
     sakura_offload.unwrap(model)
 
 
-@pytest.mark.parametrize("overhead", [0, RESERVE + 512 * 2**10])
-def test_the_re_plan_does_not_change_the_trained_values(tmp_path: Path, overhead: int) -> None:
-    model, _, _ = run_with(tmp_path / "a", overhead)
+@pytest.mark.parametrize("room", [MB, -512 * 2**10])
+def test_the_re_plan_does_not_change_the_trained_values(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, room: int
+) -> None:
+    model, _, _ = run_with(tmp_path / "a", monkeypatch, LIMIT - reserve_margin(LIMIT) - room)
     assert model.sakura_fit.replans
     replanned = {n: p.detach().clone() for n, p in model.named_parameters()}
     sakura_offload.unwrap(model)

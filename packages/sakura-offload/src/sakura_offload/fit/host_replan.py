@@ -5,32 +5,32 @@ With an explicit ``host_budget``, ``fit`` keeps ``host_reserve`` (``"auto"``: 1/
 most 1 GiB) from every part, for what no part accounts for: the C allocator's free pages,
 the loop's batches, autograd's temporaries, Python objects.  That guess can be too large (the
 activation planner then pages blocks to disk or recomputes them where host RAM had room) or
-too small (the process's anonymous RSS exceeds the budget).  So during the first training
-step run under the activation planner's plan (the step after the planner's measuring
-forward), the process's anonymous resident memory (``RssAnon``,
-:func:`~sakura_offload.fit.verify.rss_anon`) is sampled where it peaks: at the step's first
-forward (the reference), after each planned block's forward, when each block's backward
-starts (a hook on its output's gradient), after the model's forward and after the optimizer
-step.  The growth over the reference is compared with what the plan accounts for the step:
+too small (the process's anonymous RSS exceeds the budget).  So it is measured once:
 
-- on a CPU (the device is host RAM): the gradients not yet held at the reference, the
-  streamed blocks' working set on the device (``prefetch + 1`` of the largest streamed
-  blocks) less what was live at the reference, the activation planner's estimated peak of
-  saved activations, and its host paging (each ``page_host`` block's copy bytes);
-- on CUDA: only the host paging (the rest is device memory).
+- **the baseline**, when ``fit`` starts applying its plan: the process's anonymous resident
+  memory (``RssAnon``, :func:`~sakura_offload.fit.verify.rss_anon`) less the model's tensors
+  that are anonymous memory (those whose pages are mapped from a file, e.g. weights
+  ``torch.load(..., mmap=True)`` gave, take none: :func:`file_backed_bytes`).  What the
+  interpreter, its libraries and the loop held before the model is not the model's, as in
+  ``sakura-offload-verify``;
+- **the peak**, during the first training step run under the activation planner's plan (the
+  step after its measuring forward, once the device side checked its own step): sampled at
+  that step's first forward, after each planned block's forward, when each block's backward
+  starts (a hook on its output's gradient), after the model's forward and after the optimizer
+  step.
 
-The excess is the **untracked overhead** (0 when the step stayed within its accounting).
-What the reserve must keep is that overhead plus a margin, :func:`reserve_needed`.  When
-that is below the reserve, the difference goes to the activation planner's host paging;
-when it is above, the difference is taken from it (blocks then page to disk or recompute;
-what the activations cannot return is logged as a WARNING).  Nothing changes when the
-difference is under 64 KiB, or when the activations' host paging can hold every block's
-copies before and after.  The planner decides again at
-once (its timed costs are cached), after the optimizer step: a safe point, nothing is
-saved for a backward then.  The change is recorded in :attr:`FitState.replans
-<sakura_offload.fit.wrap.FitState>` (``what="host reserve"``), shown by ``memory_report()``
-and the plan's table, and logged (INFO when the reserve is given back, WARNING when room is
-taken back).  Once: the step after it is not measured again.
+The peak less the baseline is what the model's training holds; the limit is ``host_budget``
+plus, on a CPU (the simulated device is anonymous RAM too), ``device_budget``.  What is left
+under the limit, less a margin (:func:`reserve_margin`), is given to the activation
+planner's host paging, at most the reserve; when less than the margin is left, the
+difference is taken from the host paging (blocks then page to disk or recompute; what the
+host paging cannot return is named in a WARNING).  Nothing changes when the difference is
+under 64 KiB, or when the host paging holds every block's copies before and after.  The
+planner decides again at once (its timed costs are cached), after the optimizer step: a safe
+point, nothing is saved for a backward then, so no value changes.  The change is recorded in
+:attr:`FitState.replans <sakura_offload.fit.wrap.FitState>` (``what="host reserve"``), shown
+by ``memory_report()`` and the plan's table, and logged (INFO when the reserve is given back,
+WARNING when room is taken back).  Once: the step after it is not measured again.
 
 Only ``host_reserve="auto"`` with an explicit ``host_budget`` adapts; an explicit
 ``host_reserve=N`` is kept as given, and without a ``host_budget`` the reserve is 0 (the
@@ -39,9 +39,10 @@ RAM floor keeps RAM free).  On a system without ``/proc/self/status`` nothing is
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,86 +50,160 @@ import torch
 if TYPE_CHECKING:
     from sakura_offload.fit.wrap import FitState
 
-__all__ = ["MARGIN_FLOOR", "MARGIN_SHARE", "HostReserve", "reserve_needed"]
+__all__ = [
+    "MARGIN_FLOOR",
+    "MARGIN_SHARE",
+    "HostReserve",
+    "file_backed_bytes",
+    "host_baseline",
+    "reserve_margin",
+    "rss_reader",
+]
 
 _LOG = logging.getLogger("sakura_offload.fit")
 
-MARGIN_SHARE = 4
-"""The margin is a quarter of the measured overhead ...
+MARGIN_SHARE = 50
+"""The margin is 1/50 (2%) of the limit ...
 
-Measured with ``benchmarks/fit.py`` (48 MiB host budget, a CPU, fp32 blocks streamed from
-disk): the anonymous RSS above the parts' bytes was 4-6 MiB from run to run, a spread of
-about a quarter of it; the allocator's slack also grows with the activations paged to host
-RAM, which the re-plan gives more room."""
+Measured with ``benchmarks/fit.py`` (limit 72 MiB: 48 MiB host and 24 MiB device budget, a
+CPU, fp32 blocks streamed from disk): ``fit``'s peak anonymous RSS with the same plan was
+67.6, 68.3 and 68.7 MiB in three runs, a spread of 1.1 MiB (1.5% of the limit); 2% rounds
+it up."""
 MARGIN_FLOOR = 2**20
-"""... and at least 1 MiB: glibc's heap grows in steps of its top pad (128 KiB) and a
-block's copies of 0.5-1.5 MiB (the benchmark's) come and go between samples."""
+"""... and at least 1 MiB: glibc's heap grows in steps of its top pad (128 KiB), and a
+block's copies (0.5-7 MiB in the benchmark) come and go between two readings."""
 MIN_CHANGE = 64 * 2**10
 """A difference below this (bytes) changes nothing."""
 
 
-def reserve_needed(overhead: int) -> int:
-    """What ``host_reserve`` must keep for a measured untracked ``overhead`` (bytes):
-    ``overhead + max(overhead // MARGIN_SHARE, MARGIN_FLOOR)``."""
-    if overhead < 0:
-        raise ValueError(f"reserve_needed: overhead must be >= 0, got {overhead}")
-    return overhead + max(overhead // MARGIN_SHARE, MARGIN_FLOOR)
+def reserve_margin(limit: int) -> int:
+    """Bytes kept free under ``limit`` beyond the measured peak:
+    ``max(limit // MARGIN_SHARE, MARGIN_FLOOR)``."""
+    if limit < 0:
+        raise ValueError(f"reserve_margin: limit must be >= 0, got {limit}")
+    return max(limit // MARGIN_SHARE, MARGIN_FLOOR)
 
 
-def _rss_anon() -> int:
+def _file_ranges(maps: str) -> list[tuple[int, int]]:
+    """Address ranges mapped from a file, sorted, from ``/proc/<pid>/maps`` text."""
+    ranges = []
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6 or fields[4] == "0" or fields[5].startswith("["):
+            continue  # anonymous, heap, stack, vdso
+        start, _, end = fields[0].partition("-")
+        ranges.append((int(start, 16), int(end, 16)))
+    ranges.sort()
+    return ranges
+
+
+def file_backed_bytes(tensors: Iterable[torch.Tensor], maps: str | None = None) -> int:
+    """Bytes of the distinct CPU storages among ``tensors`` whose memory is mapped from a
+    file (their pages are file-backed, not anonymous; ``maps``: the text of
+    ``/proc/self/maps``, read when None).  0 where that file does not exist."""
+    if maps is None:
+        try:
+            with open("/proc/self/maps", encoding="ascii", errors="replace") as f:
+                maps = f.read()
+        except OSError:
+            return 0
+    ranges = _file_ranges(maps)
+    starts = [r[0] for r in ranges]
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if t.device.type != "cpu" or t.is_meta:
+            continue
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr == 0 or ptr in seen:
+            continue
+        seen.add(ptr)
+        i = bisect.bisect_right(starts, ptr) - 1
+        if i >= 0 and ptr < ranges[i][1]:
+            total += storage.nbytes()
+    return total
+
+
+def rss_reader() -> int:
+    """The process's anonymous resident bytes (verify's reader; a test replaces this)."""
     from sakura_offload.fit.verify import rss_anon
 
     return rss_anon()
 
 
-class HostReserve:
-    """Measures the first planned step's anonymous RSS against the plan's accounting and
-    moves the reserve's surplus to (or its shortfall from) the activations' host paging
-    (module docstring).  ``read_rss``: the reader sampled (bytes; tests inject one)."""
+def host_baseline(model: Any) -> int | None:
+    """The baseline (module docstring): anonymous RSS now less the model's anonymous
+    tensors; None where RSS cannot be read."""
+    try:
+        rss = rss_reader()
+    except OSError:
+        return None
+    tensors = [*model.parameters(), *model.buffers()]
+    seen: set[int] = set()
+    held = 0
+    for t in tensors:
+        if t.device.type != "cpu" or t.is_meta:
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            held += storage.nbytes()
+    return rss - (held - file_backed_bytes(tensors))
 
-    def __init__(self, model: Any, state: FitState, read_rss: Callable[[], int] | None = None):
+
+class HostReserve:
+    """Measures the first planned step's peak anonymous RSS against the budgets and moves
+    what is left (or missing) under them to (or from) the activations' host paging (module
+    docstring).  ``baseline``: :func:`host_baseline` when ``fit`` started applying."""
+
+    def __init__(self, model: Any, state: FitState, baseline: int) -> None:
         self.model = model
         self.state = state
-        self.read_rss: Callable[[], int] = read_rss or _rss_anon
+        self.baseline = baseline
         self.done = False
         self.measuring = False
-        self.reference = 0
         self.peak = 0
         self.samples = 0
-        self.accounted = 0
-        """The step's growth the plan accounts for (bytes), fixed at the reference."""
-        self.overhead: int | None = None
-        """The measured untracked overhead (bytes), once measured."""
+        self.used: int | None = None
+        """The measured peak less the baseline (bytes), once measured."""
         self._handles: list[Any] = []
 
     @staticmethod
     def applies(state: FitState) -> bool:
         """Whether ``state`` has a reserve that adapts: ``"auto"`` of an explicit
-        ``host_budget``, and an activation planner to give host room to."""
+        ``host_budget``, an activation planner to give host room to, and a baseline."""
         return bool(
             state.budgets.host_reserve_auto
             and state.budgets.host_reserve > 0
             and state.planner is not None
+            and state.host_baseline is not None
         )
+
+    @property
+    def limit(self) -> int:
+        """``host_budget``, plus ``device_budget`` on a CPU (the device is host RAM)."""
+        budgets = self.state.budgets
+        device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        on_host = device.type == "cpu" and budgets.device is not None
+        return budgets.host + (int(budgets.device or 0) if on_host else 0)
 
     # --- sampling ------------------------------------------------------------------------
 
     def before_forward(self) -> None:
-        """A forward of the model starts: the reference, at the first planned training
-        step's first forward."""
+        """A forward of the model starts: the measured step begins at the first planned
+        training step's first forward."""
         if self.done or self.measuring or not torch.is_grad_enabled():
             return
         planner = self.state.planner
         if planner is None or getattr(planner, "applied", None) is None:
             return  # the planner's measuring forward: not a planned step yet
         try:
-            self.reference = self.read_rss()
+            self.peak = rss_reader()
         except OSError:  # no /proc/self/status: nothing to measure
             self.done = True
             return
-        self.peak = self.reference
         self.samples = 1
-        self.accounted = self.accounted_growth()
         self.measuring = True
         for wrapper in planner.wrappers:
             self._handles.append(wrapper.module.register_forward_hook(self._after_block))
@@ -144,7 +219,7 @@ class HostReserve:
 
     def sample(self) -> None:
         if self.measuring:
-            self.peak = max(self.peak, self.read_rss())
+            self.peak = max(self.peak, rss_reader())
             self.samples += 1
 
     def _after_block(self, module: Any, args: Any, output: Any) -> None:
@@ -159,58 +234,37 @@ class HostReserve:
     def _after_model(self, module: Any, args: Any, output: Any) -> None:
         self.sample()
 
-    def accounted_growth(self) -> int:
-        """What the plan accounts for the step beyond what is held now (module
-        docstring)."""
-        state = self.state
-        applied = state.planner.applied
-        paged = sum(d.copy_bytes for d in applied.decisions if d.choice == "page_host")
-        device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
-        if device.type != "cpu":
-            return int(paged)
-        trainable = [p for p in self.model.parameters() if p.requires_grad]
-        grads_now = sum(p.grad.nbytes for p in trainable if p.grad is not None)
-        plan = state.plan
-        streamed = sorted(
-            (b for b, t in zip(plan.sizes.block_frozen, plan.block_tiers, strict=True)
-             if t != "device"),
-            reverse=True,
-        )  # fmt: skip
-        working = sum(streamed[: state.budgets.prefetch + 1])
-        live = 0 if state.paging is None else int(state.paging.stats.live_bytes)
-        return int(
-            max(0, plan.sizes.trainable_bytes - grads_now)
-            + max(0, working - live)
-            + int(applied.estimated_peak)
-            + paged
-        )
-
     # --- deciding ------------------------------------------------------------------------
 
     def after_step(self, steps: int) -> None:
-        """An optimizer step ended: the measured step is over; move the reserve's
-        difference and re-plan the activations (once)."""
+        """An optimizer step ended: the measured step is over; move the difference and
+        re-plan the activations (once)."""
         if not self.measuring:
             return
         self.sample()
         self.remove()
-        self.overhead = max(0, self.peak - self.reference - self.accounted)
-        self.apply(steps, self.overhead)
+        self.used = max(0, self.peak - self.baseline)
+        self.apply(steps, self.used)
 
-    def apply(self, steps: int, overhead: int) -> None:
-        """Give the activations' host paging what the reserve keeps beyond
-        :func:`reserve_needed` of ``overhead`` (or take the shortfall back)."""
+    def change_for(self, used: int) -> int:
+        """Bytes the activations' host paging gains (negative: loses) when the model's
+        training measured ``used`` bytes at its peak: what is left under the limit less the
+        margin, at most the reserve."""
+        limit = self.limit
+        return min(limit - used - reserve_margin(limit), self.state.budgets.host_reserve)
+
+    def apply(self, steps: int, used: int) -> None:
+        """Move :meth:`change_for` ``used`` to (or from) the activations' host paging."""
         from sakura_offload.fit.replan import Replan
 
         state = self.state
         planner = state.planner
-        reserve = state.budgets.host_reserve
-        needed = reserve_needed(overhead)
-        change = reserve - needed
+        reserve, limit = state.budgets.host_reserve, self.limit
+        change = self.change_for(used)
         if abs(change) < MIN_CHANGE:
             _LOG.info(
-                "fit: the first planned step's untracked host memory measured %d bytes; "
-                "host_reserve=%d holds it with its margin; the plan stays", overhead, reserve,
+                "fit: the first planned step's anonymous RSS peaked %d bytes above the "
+                "baseline, of a limit of %d; the plan stays", used, limit,
             )  # fmt: skip
             return
         old = int(planner.host_budget or 0)
@@ -218,9 +272,9 @@ class HostReserve:
         pageable = sum(d.copy_bytes for d in planner.applied.decisions)
         if min(old, new) >= pageable:  # every block can page to host RAM either way
             _LOG.info(
-                "fit: the first planned step's untracked host memory measured %d bytes (with "
-                "its margin %d of host_reserve=%d); the activations' host paging (%d bytes) "
-                "holds every block either way, the plan stays", overhead, needed, reserve, old,
+                "fit: the first planned step's anonymous RSS peaked %d bytes above the "
+                "baseline, of a limit of %d; the activations' host paging (%d bytes) holds "
+                "every block either way, the plan stays", used, limit, old,
             )  # fmt: skip
             return
         short = max(0, -(old + change))
@@ -228,7 +282,7 @@ class HostReserve:
         planner.host_budget = new
         applied = planner.decide()
         record = Replan(
-            steps, "host reserve", overhead, reserve, before, _paging_summary(planner, new, applied)
+            steps, "host reserve", used, limit, before, _paging_summary(planner, new, applied)
         )
         line = record.describe()
         state.replans.append(record)
@@ -246,9 +300,8 @@ class HostReserve:
         if short:
             _LOG.warning(
                 "fit: the activations' host paging had only %d bytes to return; the process "
-                "may exceed host_budget=%d by about %d bytes (a larger host_budget, or "
-                "host_reserve=%d, would hold it)",
-                old, state.budgets.host, short, needed,
+                "may exceed its limit of %d bytes by about %d (a larger host_budget would "
+                "hold it)", old, limit, short,
             )  # fmt: skip
 
 

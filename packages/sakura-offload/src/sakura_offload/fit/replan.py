@@ -69,11 +69,11 @@ class Replan:
     what: str
     """``"activations"``, ``"step peak"`` or ``"host reserve"``."""
     measured: int
-    """Bytes measured: the activations' least peak, the step's device peak, or the host
-    memory no part accounts for (anonymous RSS over the plan's accounting)."""
+    """Bytes measured: the activations' least peak, the step's device peak, or the peak
+    anonymous RSS above the baseline (:mod:`.host_replan`)."""
     estimated: int
     """Bytes the plan had for them: what it left the activations, ``device_budget``, or
-    ``host_reserve``."""
+    the host limit (``host_budget``, plus ``device_budget`` on a CPU)."""
     before: str
     after: str
 
@@ -84,17 +84,18 @@ class Replan:
                 f"forward), the plan left them {self.estimated}"
             )
         elif self.what == "host reserve":
-            from sakura_offload.fit.host_replan import reserve_needed
+            from sakura_offload.fit.host_replan import reserve_margin
 
-            needed = reserve_needed(self.measured)
+            left = self.estimated - self.measured
             seen = (
-                f"host memory no part accounts for measured {self.measured} bytes in step "
-                f"{self.step} (anonymous RSS over the plan's accounting); with its margin "
-                f"it needs {needed} of host_reserve={self.estimated}, so "
-                + ("the rest goes" if needed < self.estimated else "the difference comes")
-                + (" to" if needed < self.estimated else " from")
+                f"the process's anonymous RSS peaked {self.measured} bytes above its baseline "
+                f"in step {self.step}, of a limit of {self.estimated} (host_budget, and "
+                f"device_budget on a CPU): {left} bytes left, margin "
+                f"{reserve_margin(self.estimated)}, so host_reserve's "
+                + ("unused part goes to" if left > reserve_margin(self.estimated) else
+                   "shortfall comes from")
                 + " the activations' host paging"
-            )
+            )  # fmt: skip
         else:
             seen = (
                 f"the step's device peak measured {self.measured} bytes after step "
@@ -142,7 +143,7 @@ class Replanner:
         self.host: HostReserve | None = None
         """The host side (:mod:`.host_replan`), when the reserve adapts."""
         if self.enabled and HostReserve.applies(state):
-            self.host = HostReserve(model, state)
+            self.host = HostReserve(model, state, int(state.host_baseline or 0))
 
     # --- hooks -------------------------------------------------------------------------
 

@@ -7,6 +7,9 @@ sakura-quant's), :class:`~sakura_offload.WeightPaging`,
 :class:`~sakura_offload.OffloadAdamW` and :class:`~sakura_offload.MemoryPlanner`.  What was
 applied is kept on the model as ``model.sakura_fit`` (a :class:`FitState`), which
 :func:`unwrap` and :func:`~sakura_offload.fit.report.memory_report` read.
+
+Long file: the options, the measuring, the applying with its roll-back and ``unwrap`` share
+:class:`FitState` and the checked options; split, each part would import the others.
 """
 
 from __future__ import annotations
@@ -67,6 +70,9 @@ class FitState:
     bandwidths: dict[str, float] = dataclasses.field(default_factory=dict)
     """Probed one-way copy bandwidth (bytes/s) to the device of each tier weights stream
     from (the plan's expected extra time per block is computed from it)."""
+    host_baseline: int | None = None
+    """Anonymous RSS less the model's anonymous tensors when ``fit`` started applying (only
+    with ``host_reserve="auto"`` and an explicit ``host_budget``: :mod:`.host_replan`)."""
     heap_trim: Any = None
     """The :class:`~.heap.HeapTrim` returning the C heap's free pages after each optimizer
     step, when the plan moves something off the device (:func:`trims_heap`)."""
@@ -336,8 +342,13 @@ def apply_fit(
     if getattr(model, _ATTR, None) is not None:
         raise RuntimeError("fit: the model is wrapped already; call sakura_offload.unwrap first")
     parts = _Applied(model)
+    baseline = None
+    if budgets.host_reserve_auto and budgets.host_reserve > 0 and options["replan"]:
+        from sakura_offload.fit.host_replan import host_baseline
+
+        baseline = host_baseline(model)
     try:
-        state = _apply_parts(model, optimizer, plan, choices, budgets, options, parts)
+        state = _apply_parts(model, optimizer, plan, choices, budgets, options, parts, baseline)
     except BaseException as error:
         parts.roll_back(error)
         raise
@@ -403,6 +414,7 @@ def _apply_parts(
     budgets: Budgets,
     options: dict[str, Any],
     parts: _Applied,
+    baseline: int | None = None,
 ) -> FitState:
     from sakura_offload.fit.replan import Replanner
     from sakura_offload.host_optimizer.optimizer import OffloadAdamW
@@ -435,7 +447,7 @@ def _apply_parts(
             "activations", "plan", "'auto' or 'keep' without a device budget (on a CPU, give "
             "device_budget=)", owner="wrap",
         )  # fmt: skip
-    state = FitState(plan, choice, paging, None, optimizer, budgets)
+    state = FitState(plan, choice, paging, None, optimizer, budgets, host_baseline=baseline)
     if mode != "keep" and plan.activation_budget is not None:
         if plan.activation_budget < 1:
             raise option_error(
