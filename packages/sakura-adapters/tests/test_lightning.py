@@ -459,3 +459,38 @@ def test_facade_resolves_the_adapter() -> None:
     from sakura.adapters import LightningAdapter as FromFacade  # type: ignore[attr-defined]
 
     assert FromFacade is LightningAdapter
+
+
+class Lifecycle(Service):
+    """Records when it is set up, wraps the model and is torn down."""
+
+    name = "lifecycle"
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def setup(self, rt: Any) -> None:
+        self.calls.append("setup")
+
+    def wrap_model(self, model: Any) -> Any:
+        self.calls.append("wrap_model")
+        return model
+
+    def teardown(self) -> None:
+        self.calls.append("teardown")
+
+
+def test_a_runtime_not_started_is_started_and_closed_by_the_adapter(tmp_path: Path) -> None:
+    # Before, the services of a runtime handed over without `with` wrapped the model without
+    # being set up and were never torn down (a kernels service left the modeling code patched).
+    service = Lifecycle()
+    rt = SakuraRuntime([service], strict=True)
+    trainer(rt, tmp_path, max_epochs=1, enable_checkpointing=False).fit(TinyModule(), loader())
+    assert service.calls == ["setup", "wrap_model", "teardown"]
+    assert not rt.running
+    # a runtime the user runs stays theirs: started and closed by them only
+    service = Lifecycle()
+    with SakuraRuntime([service], strict=True) as rt:
+        trainer(rt, tmp_path, max_epochs=1, enable_checkpointing=False).fit(TinyModule(), loader())
+        assert rt.running and service.calls == ["setup", "wrap_model"]
+    assert service.calls == ["setup", "wrap_model", "teardown"]

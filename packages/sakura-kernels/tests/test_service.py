@@ -169,24 +169,27 @@ def test_lightning_with_kernels_matches_the_unpatched_model(
     rows = torch.randint(0, 256, (4, 12), generator=torch.Generator().manual_seed(5))
 
     def fit(services: list[str]) -> Any:
-        rt = SakuraRuntime()
-        for service in services:
-            rt.install(service)
-        module = Module()
-        trainer = pl.Trainer(
-            max_steps=2,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            enable_checkpointing=False,
-            default_root_dir=str(tmp_path),
-            accelerator="cpu",
-            devices=1,
-            callbacks=[LightningAdapter(rt)],
-        )
-        trainer.fit(module, torch.utils.data.DataLoader(list(rows), batch_size=2))
-        counted = forwards(module.model)
-        rt.close()
+        # run as a context manager: leaving it tears the service down, which restores the
+        # modeling files' apply_rotary_pos_emb (a runtime never started was never closed,
+        # and left them patched for the tests after this one)
+        with SakuraRuntime(strict=True) as rt:
+            for service in services:
+                rt.install(service)
+            module = Module()
+            trainer = pl.Trainer(
+                max_steps=2,
+                logger=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                enable_checkpointing=False,
+                default_root_dir=str(tmp_path),
+                accelerator="cpu",
+                devices=1,
+                callbacks=[LightningAdapter(rt)],
+            )
+            trainer.fit(module, torch.utils.data.DataLoader(list(rows), batch_size=2))
+            counted = forwards(module.model)
+        assert forwards(module.model) == 0  # unpatched at teardown
         return module, counted
 
     ref, _ = fit([])

@@ -133,6 +133,7 @@ class LightningAdapter(Callback):
         self.rt = check_runtime(rt)
         self.strict_resume = check_bool("strict_resume", strict_resume, owner="LightningAdapter")
         self._last_loss: Any = None
+        self._started = False
 
     @property
     def state_key(self) -> str:
@@ -208,6 +209,12 @@ class LightningAdapter(Callback):
     # --- lifecycle ----------------------------------------------------------------------
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # A runtime handed over without ``with`` / ``start()`` is started here and closed at
+        # this stage's teardown: its services are set up before they wrap anything and torn
+        # down after (a kernels service restores the modeling code it patched).
+        if not self.rt.running:
+            self.rt.start()
+            self._started = True
         self.rt.rank = trainer.global_rank
         self.rt.world_size = trainer.world_size
         self._install_precision(trainer)
@@ -217,6 +224,9 @@ class LightningAdapter(Callback):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._emit(ev.OnTeardown, trainer, stage=stage, model=pl_module)
+        if self._started:
+            self._started = False
+            self.rt.close()
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._emit(ev.OnFitBegin, trainer, model=pl_module)
