@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,26 +38,26 @@ def vector() -> ctypes.CDLL:
     return lib
 
 
-@pytest.fixture(scope="module")
-def generic(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ctypes.CDLL]:
-    """The same source built without AVX-512: the generic loops only."""
-    library = CPU_LIBRARY.replace(cflags=(*CPU_LIBRARY.cflags, "-mno-avx512f"))
+def _built_with(flag: str, folder: Path) -> Iterator[ctypes.CDLL]:
+    """The same source built with one more compiler flag, cached in ``folder``."""
+    library = CPU_LIBRARY.replace(cflags=(*CPU_LIBRARY.cflags, flag))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(library.cache_env, str(tmp_path_factory.mktemp("generic")))
+        mp.setenv(library.cache_env, str(folder))
         lib = library.load(required=True)
         assert lib is not None
         yield lib
+
+
+@pytest.fixture(scope="module")
+def generic(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ctypes.CDLL]:
+    """The same source built without AVX-512: the generic loops only."""
+    yield from _built_with("-mno-avx512f", tmp_path_factory.mktemp("generic"))
 
 
 @pytest.fixture(scope="module")
 def no_bf16(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ctypes.CDLL]:
     """The AVX-512 paths without AVX-512-BF16: bf16 rounded by the integer code."""
-    library = CPU_LIBRARY.replace(cflags=(*CPU_LIBRARY.cflags, "-mno-avx512bf16"))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(library.cache_env, str(tmp_path_factory.mktemp("no_bf16")))
-        lib = library.load(required=True)
-        assert lib is not None
-        yield lib
+    yield from _built_with("-mno-avx512bf16", tmp_path_factory.mktemp("no_bf16"))
 
 
 def _rand(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
