@@ -27,6 +27,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "sakura_blocks_rmsnorm_forward": [_INT, _P, _P, _P, _P, _I64, _I64, ctypes.c_float],
         "sakura_blocks_rmsnorm_backward": [_INT, _P, _P, _P, _P, _P, _P, _I64, _I64],
         "sakura_blocks_rope": [_INT, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT],
+        "sakura_blocks_rope_strided": [_INT, _P, *[_I64] * 3, _P, _P, _P, *[_I64] * 7, _INT],
         "sakura_blocks_glu_forward": [_INT, _INT, _P, _P, _P, _I64],
         "sakura_blocks_glu_backward": [_INT, _INT, _P, _P, _P, _P, _P, _I64],
         "sakura_xent_rows": [_INT, _P, _I64, _I64, _P, _P, _P, _INT],
@@ -57,7 +58,7 @@ CPU_LIBRARY = NativeLibrary(
     name="sakura_kernels_blocks_cpu",
     sources=[Path(__file__).parent.parent / "csrc" / "blocks_cpu.cpp"],
     abi_symbol="sakura_kernels_blocks_abi_version",
-    abi_version=3,
+    abi_version=4,
     declare=_declare,
     what="C++ block kernels",
     # No fused multiply-add contraction: each product rounds as torch's does.

@@ -180,42 +180,63 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
-    """q: (batch, heads, seq, dim); cos/sin: (batch, seq, dim), q's dtype, contiguous."""
+def _rope(
+    q: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    backward: bool,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q: (batch, heads, seq, dim); cos/sin: (batch, seq, dim), q's dtype, contiguous.  The
+    result goes to ``out`` (same shape; a fresh contiguous tensor when None).  On the CPU
+    kernel q and ``out`` may have any row strides with a contiguous last dimension (the
+    projections' ``(batch, seq, heads, dim)`` layout seen through a transpose): no copy in
+    or out."""
     lib = _native(q, cos, sin)
     cuda, stream = _cuda(q, cos, sin)
+    result = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
+    b, h, s, d = q.shape
     if cuda is not None:
-        out = torch.empty_like(q)
-        b, h, s, d = q.shape
+        q = q.contiguous()
+        target = result if result.is_contiguous() else torch.empty_like(q)
         _check_cuda(
             cuda.sakura_blocks_rope_cuda(
-                _CODES[q.dtype], q.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+                _CODES[q.dtype], q.data_ptr(), cos.data_ptr(), sin.data_ptr(), target.data_ptr(),
                 b, h, s, d, int(backward), stream,
             ),
             "rotary embedding",
         )  # fmt: skip
-        return out
+        return target if target is result else result.copy_(target)
     if lib is not None:
-        out = torch.empty_like(q)
-        b, h, s, d = q.shape
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        if result.stride(-1) != 1:
+            raise ValueError("rotary embedding: out's last dimension must be contiguous")
+        qs, os_ = q.stride(), result.stride()
         _check(
-            lib.sakura_blocks_rope(
-                _CODES[q.dtype], q.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
-                b, h, s, d, int(backward),
+            lib.sakura_blocks_rope_strided(
+                _CODES[q.dtype], q.data_ptr(), qs[0], qs[1], qs[2], cos.data_ptr(),
+                sin.data_ptr(), result.data_ptr(), os_[0], os_[1], os_[2], b, h, s, d,
+                int(backward),
             ),
             "rotary embedding",
         )  # fmt: skip
-        return out
+        return result
     qf, c, s_ = q.float(), cos.float().unsqueeze(1), sin.float().unsqueeze(1)
     if not backward:
-        return (qf * c + _rotate_half(qf) * s_).to(q.dtype)
+        return result.copy_(qf * c + _rotate_half(qf) * s_)
     # The transpose of the rotation: rotate_half's adjoint is minus itself.
-    return (qf * c - _rotate_half(qf * s_)).to(q.dtype)
+    return result.copy_(qf * c - _rotate_half(qf * s_))
 
 
 class FusedRotary(torch.autograd.Function):
     """``q * cos + rotate_half(q) * sin`` with ``cos``/``sin`` broadcast over heads (q is
-    ``(batch, heads, seq, head_dim)``, ``cos``/``sin`` ``(batch or 1, seq, head_dim)``)."""
+    ``(batch, heads, seq, head_dim)``, ``cos``/``sin`` ``(batch or 1, seq, head_dim)``).
+
+    The output is contiguous, as the attention after it wants it.  q is read where it lies
+    (Hugging Face's ``proj(x).view(b, s, heads, d).transpose(1, 2)``, no copy), and its
+    gradient is written in q's own layout, so the transpose and the view before it take it
+    back without a copy either."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -223,12 +244,35 @@ class FusedRotary(torch.autograd.Function):
         cos = cos.to(q.dtype).expand(b, s, d).contiguous()
         sin = sin.to(q.dtype).expand(b, s, d).contiguous()
         ctx.save_for_backward(cos, sin)
-        return _rope(q.contiguous(), cos, sin, backward=False)
+        ctx.q_layout = (q.shape, q.stride()) if q.stride(-1) == 1 else None
+        return _rope(q, cos, sin, backward=False)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         cos, sin = ctx.saved_tensors
-        return _rope(grad.to(cos.dtype).contiguous(), cos, sin, backward=True), None, None
+        grad = grad.to(cos.dtype)
+        out = None
+        layout = ctx.q_layout
+        if layout is not None and grad.device.type == "cpu":
+            shape, stride = layout
+            out = _empty_like_layout(shape, stride, grad)
+        return _rope(grad, cos, sin, backward=True, out=out), None, None
+
+
+def _empty_like_layout(
+    shape: torch.Size, stride: tuple[int, ...], like: torch.Tensor
+) -> torch.Tensor | None:
+    """An empty tensor of ``shape`` laid out as a dense tensor of ``stride`` is (its
+    dimensions in the order of decreasing stride), or None when ``stride`` is not dense."""
+    order = sorted(range(len(shape)), key=lambda i: -stride[i])
+    dense = 1
+    for i in reversed(order):
+        if shape[i] != 1 and stride[i] != dense:
+            return None
+        dense *= shape[i]
+    storage = like.new_empty([shape[i] for i in order])
+    inverse = [order.index(i) for i in range(len(shape))]
+    return storage.permute(inverse)
 
 
 def _act(g: torch.Tensor, kind: int) -> torch.Tensor:

@@ -146,10 +146,18 @@ void rmsnorm_backward(const T* dy, const T* x, const T* w, const float* rstd, T*
     for (int64_t i = 0; i < h; ++i) dw[i] = static_cast<float>(total[i]);
 }
 
-// q: (batch, heads, seq, dim) contiguous; cos/sin: (batch, seq, dim) contiguous.
+// Row strides (in elements) of a (batch, heads, seq, dim) tensor whose dim is contiguous:
+// the projections' layout (batch, seq, heads, dim) seen through a transpose reads and writes
+// in place, with no copy into or out of the kernel.
+struct RowStrides {
+    int64_t batch, heads, seq;
+    int64_t at(int64_t b, int64_t h, int64_t s) const { return b * batch + h * heads + s * seq; }
+};
+
+// q, out: (batch, heads, seq, dim) at their row strides; cos/sin: (batch, seq, dim) contiguous.
 template <typename T>
-void rope(const T* q, const T* cos, const T* sin, T* out, int64_t batch, int64_t heads,
-          int64_t seq, int64_t dim, bool backward) {
+void rope(const T* q, RowStrides qs, const T* cos, const T* sin, T* out, RowStrides os,
+          int64_t batch, int64_t heads, int64_t seq, int64_t dim, bool backward) {
     const int64_t half = dim / 2;
     const int64_t rows = batch * heads * seq;
 #pragma omp parallel
@@ -157,8 +165,8 @@ void rope(const T* q, const T* cos, const T* sin, T* out, int64_t batch, int64_t
         std::vector<float> qr(dim), cr(dim), sr(dim), o(dim);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; ++r) {
-            const int64_t b = r / (heads * seq), s = r % seq;
-            load_row(q + r * dim, qr.data(), dim);
+            const int64_t b = r / (heads * seq), h = (r / seq) % heads, s = r % seq;
+            load_row(q + qs.at(b, h, s), qr.data(), dim);
             load_row(cos + (b * seq + s) * dim, cr.data(), dim);
             load_row(sin + (b * seq + s) * dim, sr.data(), dim);
             if (!backward) {
@@ -174,7 +182,7 @@ void rope(const T* q, const T* cos, const T* sin, T* out, int64_t batch, int64_t
                     o[i + half] = qr[i + half] * cr[i + half] - qr[i] * sr[i];
                 }
             }
-            store_row(o.data(), out + r * dim, dim);
+            store_row(o.data(), out + os.at(b, h, s), dim);
         }
     }
 }
@@ -626,17 +634,17 @@ void rmsnorm_backward_avx512(const T* dy, const T* x, const T* w, const float* r
 
 // Rotation of one row half by half, 16 lanes at a time (the same products and sums).
 template <typename T>
-void rope_avx512(const T* q, const T* cos, const T* sin, T* out, int64_t batch, int64_t heads,
-                 int64_t seq, int64_t dim, bool backward) {
+void rope_avx512(const T* q, RowStrides qs, const T* cos, const T* sin, T* out, RowStrides os,
+                 int64_t batch, int64_t heads, int64_t seq, int64_t dim, bool backward) {
     const int64_t half = dim / 2;
     const int64_t rows = batch * heads * seq;
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
-        const int64_t b = r / (heads * seq), s = r % seq;
-        const T* qr = q + r * dim;
+        const int64_t b = r / (heads * seq), h = (r / seq) % heads, s = r % seq;
+        const T* qr = q + qs.at(b, h, s);
         const T* cr = cos + (b * seq + s) * dim;
         const T* sr = sin + (b * seq + s) * dim;
-        T* o = out + r * dim;
+        T* o = out + os.at(b, h, s);
         for (int64_t i = 0; i < half; i += 16) {
             const __mmask16 m = tail_mask(half - i);
             const __m512 q1 = loadm(qr + i, m), q2 = loadm(qr + half + i, m);
@@ -961,7 +969,7 @@ int softmax_backward_entry(int dtype, const void* p, void* dp, int64_t rows, int
 
 extern "C" {
 
-int sakura_kernels_blocks_abi_version(void) { return 3; }
+int sakura_kernels_blocks_abi_version(void) { return 4; }
 
 // dtype: 0 = fp32, 1 = bf16.  Returns 0, or -1 when an argument is out of range.
 int sakura_blocks_rmsnorm_forward(int dtype, const void* x, const void* w, void* y, float* rstd,
@@ -995,20 +1003,35 @@ int sakura_blocks_rmsnorm_backward(int dtype, const void* dy, const void* x, con
     return 0;
 }
 
-int sakura_blocks_rope(int dtype, const void* q, const void* cos, const void* sin, void* out,
-                       int64_t batch, int64_t heads, int64_t seq, int64_t dim, int backward) {
+// q and out at any row strides (dim contiguous): the projections' layout read and written
+// through a transpose (ABI 4).  The strides must not make out overlap q unless they are equal.
+int sakura_blocks_rope_strided(int dtype, const void* q, int64_t q_batch, int64_t q_heads,
+                               int64_t q_seq, const void* cos, const void* sin, void* out,
+                               int64_t o_batch, int64_t o_heads, int64_t o_seq, int64_t batch,
+                               int64_t heads, int64_t seq, int64_t dim, int backward) {
     if (batch < 0 || heads < 0 || seq < 0 || dim <= 0 || dim % 2 != 0) return BAD_ARGUMENTS;
+    if (q_batch < 0 || q_heads < 0 || q_seq < 0 || o_batch < 0 || o_heads < 0 || o_seq < 0)
+        return BAD_ARGUMENTS;
+    const RowStrides qs{q_batch, q_heads, q_seq}, os{o_batch, o_heads, o_seq};
     if (dtype == 0)
-        SAKURA_PATH(rope)(static_cast<const float*>(q), static_cast<const float*>(cos),
-             static_cast<const float*>(sin), static_cast<float*>(out), batch, heads, seq, dim,
-             backward != 0);
-    else if (dtype == 1)
-        SAKURA_PATH(rope)(static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(cos),
-             static_cast<const uint16_t*>(sin), static_cast<uint16_t*>(out), batch, heads, seq,
+        SAKURA_PATH(rope)(static_cast<const float*>(q), qs, static_cast<const float*>(cos),
+             static_cast<const float*>(sin), static_cast<float*>(out), os, batch, heads, seq,
              dim, backward != 0);
+    else if (dtype == 1)
+        SAKURA_PATH(rope)(static_cast<const uint16_t*>(q), qs, static_cast<const uint16_t*>(cos),
+             static_cast<const uint16_t*>(sin), static_cast<uint16_t*>(out), os, batch, heads,
+             seq, dim, backward != 0);
     else
         return BAD_ARGUMENTS;
     return 0;
+}
+
+// q, out: (batch, heads, seq, dim) contiguous.
+int sakura_blocks_rope(int dtype, const void* q, const void* cos, const void* sin, void* out,
+                       int64_t batch, int64_t heads, int64_t seq, int64_t dim, int backward) {
+    return sakura_blocks_rope_strided(dtype, q, heads * seq * dim, seq * dim, dim, cos, sin, out,
+                                      heads * seq * dim, seq * dim, dim, batch, heads, seq, dim,
+                                      backward);
 }
 
 // kind: 0 = SwiGLU (silu), 1 = GeGLU (gelu, tanh approximation).
