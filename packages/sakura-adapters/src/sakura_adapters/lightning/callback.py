@@ -212,11 +212,11 @@ class LightningAdapter(Callback):
         # A runtime handed over without ``with`` / ``start()`` is started here and closed at
         # this stage's teardown: its services are set up before they wrap anything and torn
         # down after (a kernels service restores the modeling code it patched).
+        self.rt.rank = trainer.global_rank
+        self.rt.world_size = trainer.world_size
         if not self.rt.running:
             self.rt.start()
             self._started = True
-        self.rt.rank = trainer.global_rank
-        self.rt.world_size = trainer.world_size
         self._install_precision(trainer)
         if stage == "fit":
             self._warn_unemitted(trainer)
