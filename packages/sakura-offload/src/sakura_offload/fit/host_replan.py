@@ -42,7 +42,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -109,20 +109,26 @@ def file_backed_bytes(tensors: Iterable[torch.Tensor], maps: str | None = None) 
             return 0
     ranges = _file_ranges(maps)
     starts = [r[0] for r in ranges]
-    seen: set[int] = set()
     total = 0
+    for storage in _cpu_storages(tensors):
+        ptr = storage.data_ptr()
+        i = bisect.bisect_right(starts, ptr) - 1
+        if i >= 0 and ptr < ranges[i][1]:
+            total += storage.nbytes()
+    return total
+
+
+def _cpu_storages(tensors: Iterable[torch.Tensor]) -> Iterator[torch.UntypedStorage]:
+    """The distinct, allocated CPU storages behind ``tensors``."""
+    seen: set[int] = set()
     for t in tensors:
         if t.device.type != "cpu" or t.is_meta:
             continue
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
-        if ptr == 0 or ptr in seen:
-            continue
-        seen.add(ptr)
-        i = bisect.bisect_right(starts, ptr) - 1
-        if i >= 0 and ptr < ranges[i][1]:
-            total += storage.nbytes()
-    return total
+        if ptr != 0 and ptr not in seen:
+            seen.add(ptr)
+            yield storage
 
 
 def rss_reader() -> int:
@@ -140,15 +146,7 @@ def host_baseline(model: Any) -> int | None:
     except OSError:
         return None
     tensors = [*model.parameters(), *model.buffers()]
-    seen: set[int] = set()
-    held = 0
-    for t in tensors:
-        if t.device.type != "cpu" or t.is_meta:
-            continue
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            held += storage.nbytes()
+    held = sum(storage.nbytes() for storage in _cpu_storages(tensors))
     return rss - (held - file_backed_bytes(tensors))
 
 
